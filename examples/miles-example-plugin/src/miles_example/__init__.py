@@ -1,0 +1,1 @@
+"""An example miles-core plugin (see docs/plugins.md)."""

@@ -1,0 +1,58 @@
+"""The core's own built-ins, registered through the ``miles.plugins`` entry-point group
+(entry point ``core``) exactly like a third-party plugin, so they are listed, selected
+and disabled the same way. Only records here: the implementations are imported when a
+run first uses them.
+"""
+
+from __future__ import annotations
+
+from miles_core.hookspecs import hookimpl
+from miles_core.specs import LossSpec, SdeBackendSpec
+
+
+@hookimpl
+def miles_register_sde_backends() -> list[SdeBackendSpec]:
+    return [
+        SdeBackendSpec(
+            name="sde",
+            ref="miles_core.sde:FlowSdeBackend",
+            description="Flow-GRPO SDE over the scheduler's sigmas, Gaussian log-prob",
+        ),
+        SdeBackendSpec(
+            name="cps",
+            ref="miles_core.sde:CpsBackend",
+            description="Coefficient-preserving sampling; pairs with --diffusion-log-prob-no-const",
+        ),
+        SdeBackendSpec(
+            name="ode",
+            ref="miles_core.sde:OdeBackend",
+            description="Deterministic Euler step, log-prob 0 (DiffusionNFT rollouts)",
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_losses() -> list[LossSpec]:
+    return [
+        LossSpec(
+            name="policy_loss",
+            ref="miles_core.losses:policy_loss",
+            description="Flow-GRPO clipped policy gradient on SDE steps (+ KL to a reference)",
+            needs_sde_steps=True,
+        ),
+        LossSpec(
+            name="nft",
+            ref="miles_core.losses:nft",
+            description="DiffusionNFT: likelihood-free, on the forward process",
+        ),
+        LossSpec(
+            name="sft_loss",
+            ref="miles_core.losses:sft",
+            description="Supervised flow-matching loss on data (x0) samples",
+        ),
+        LossSpec(
+            name="custom_loss",
+            ref="miles_core.losses:custom_loss",
+            description="The function named by --custom-loss-function-path",
+        ),
+    ]

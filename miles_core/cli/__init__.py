@@ -1,0 +1,1 @@
+"""The ``miles-core`` command line."""

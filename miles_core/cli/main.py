@@ -1,0 +1,53 @@
+"""``miles-core``: the entry point, dispatching to one module per command.
+
+Each command module is imported only when its command runs, so ``list-plugins`` stays
+free of torch, diffusers and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "list-plugins": ("miles_core.cli.list_plugins", "List installed plugins and what they register"),
+    "config": ("miles_core.cli.config_command", "Resolve and validate training flags; print the configuration as YAML"),
+    "make-tiny": ("miles_core.cli.make_tiny", "Write a tiny, randomly initialised pipeline of a model family"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        "usage: miles-core [--version] COMMAND [ARGS...]",
+        "",
+        "RL post-training (Flow-GRPO, DiffusionNFT, SFT) for flow-matching diffusion models.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "Run 'miles-core COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        from miles_core import __version__
+
+        print(f"miles-core {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"miles-core: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.run(rest, prog=f"miles-core {command}") or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""From a command line to a resolved, validated :class:`Config`.
+
+Order: parse the command line; apply ``--custom-config-path``; fill defaults; resolve
+``auto`` values from the machine, the model family and its defaults, the batch knobs,
+the selected components and dotted-path flags; check the reference's rules; run each
+plugin's validation hook. Nothing heavy is imported: families are matched by name and
+read from JSON files only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any, Sequence
+
+from miles_core.config.config_file import load_config_file
+from miles_core.config.errors import ConfigError
+from miles_core.config.model import Component, Config, Source
+from miles_core.config.parser import flag_entries, parse_command_line
+from miles_core.machine import visible_gpu_count
+from miles_core.plugin_manager import PluginHost, get_host
+from miles_core.refs import PathFlagError, resolve_path_flag
+from miles_core.registry import ComponentLoadError
+
+
+def resolve_config(argv: Sequence[str], *, host: PluginHost | None = None, prog: str = "miles-core config") -> Config:
+    """Parse, resolve and validate; raise :class:`ConfigError` listing every violation.
+
+    A malformed command line (unknown flag, value of the wrong type) exits with status
+    2 from the parser itself.
+    """
+    host = host or get_host()
+    entries = flag_entries(host.flags)
+    typed, sglang_args = parse_command_line(argv, entries, host.registries, prog)
+    config = Config(entries)
+    config.sglang_args = sglang_args
+    for dest, entry in entries.items():
+        flag = entry.flag
+        default = flag.default
+        if isinstance(default, (dict, list)):
+            default = type(default)(default)  # never share a mutable default
+        config.set(dest, "auto" if flag.auto else default, Source.DEFAULT)
+    for dest, value in typed.items():
+        config.set(dest, value, Source.COMMAND_LINE)
+    if config.custom_config_path:
+        for dest, value in load_config_file(config.custom_config_path, entries).items():
+            if config.source(dest) is Source.COMMAND_LINE and config.get(dest) != value:
+                config.notes.append(
+                    f"{config.custom_config_path}: key {dest!r} overrides {entries[dest].flag.name} "
+                    f"{config.get(dest)!r} from the command line with {value!r}"
+                )
+            config.set(dest, value, Source.CONFIG_FILE)
+    _Resolver(config, host).run()
+    return config
+
+
+class _Resolver:
+    def __init__(self, config: Config, host: PluginHost) -> None:
+        self.config = config
+        self.host = host
+        self.errors: list[str] = []
+
+    def v(self, dest: str) -> Any:
+        return self.config.get(dest)
+
+    def name(self, dest: str) -> str:
+        return self.config.flag(dest).name
+
+    def fail(self, message: str) -> None:
+        self.errors.append(message)
+
+    def run(self) -> None:
+        self.resolve_machine()
+        self.resolve_registry_choices()
+        self.resolve_family()
+        self.resolve_batch()
+        self.resolve_components()
+        self.check_rules()
+        self.check_ranges()
+        if self.errors:
+            raise ConfigError(self.errors)
+        self.config.freeze()
+        plugin_errors = self.host.validate(self.config)
+        if plugin_errors:
+            raise ConfigError(plugin_errors)
+
+    # -- machine ---------------------------------------------------------------------
+
+    def resolve_machine(self) -> None:
+        c = self.config
+        gpus = visible_gpu_count()
+        for dest in ("actor_num_gpus_per_node", "num_gpus_per_node"):
+            value = self.v(dest)
+            if value == "auto":
+                c.set(dest, max(gpus, 1), Source.MACHINE)
+            else:
+                try:
+                    count = int(value)
+                except (TypeError, ValueError):
+                    self.fail(f"{self.name(dest)} {value}: expected a positive integer or auto")
+                    continue
+                if count < 1:
+                    self.fail(f"{self.name(dest)} {value}: must be at least 1")
+                c.set(dest, count, c.source(dest))
+        auto_values = {
+            "distributed_backend": "nccl" if gpus else "gloo",
+            "diffusion_forward_dtype": "bf16" if gpus else "fp32",
+            "diffusion_generator_device": "cuda" if gpus else "cpu",
+        }
+        for dest, value in auto_values.items():
+            if self.v(dest) == "auto":
+                c.set(dest, value, Source.MACHINE)
+        if not self.errors:
+            world = self.v("actor_num_nodes") * self.v("actor_num_gpus_per_node")
+            sp = self.v("sequence_parallel_size")
+            c.world_size = world
+            if sp < 1 or world % sp:
+                self.fail(
+                    f"--sequence-parallel-size {sp} must divide the train world size {world} "
+                    "(--actor-num-nodes x --actor-num-gpus-per-node)"
+                )
+            else:
+                c.data_parallel_size = world // sp
+            if self.v("dp_replicate_size") < 1 or c.data_parallel_size % self.v("dp_replicate_size"):
+                self.fail(
+                    f"--dp-replicate-size {self.v('dp_replicate_size')} must divide the data-parallel size "
+                    f"{c.data_parallel_size}"
+                )
+
+    # -- registries ------------------------------------------------------------------
+
+    def resolve_registry_choices(self) -> None:
+        for dest in self.config:
+            flag = self.config.flag(dest)
+            value = self.v(dest)
+            if flag.registry and value is not None and value not in self.host.registries[flag.registry]:
+                self.fail(self.host.registries[flag.registry].unknown_message(value, flag=flag.name))
+
+    # -- model family ----------------------------------------------------------------
+
+    def resolve_family(self) -> None:
+        c = self.config
+        checkpoint = self.v("hf_checkpoint")
+        family_name = self.v("diffusion_model_family")
+        custom = self.v("train_pipeline_config_path")
+        registry = self.host.registries.model_family
+        if not checkpoint:
+            self.fail("--hf-checkpoint is required: the diffusers pipeline to train (hub id or local directory)")
+        if custom and family_name:
+            self.fail("--train-pipeline-config-path and --diffusion-model-family are mutually exclusive")
+            return
+        spec = None
+        if custom:
+            c.model_family = None
+        elif family_name:
+            if family_name not in registry:
+                return  # already reported by resolve_registry_choices
+            spec = registry.get(family_name).spec
+        elif checkpoint:
+            haystack = str(checkpoint).lower()
+            matches = [
+                reg for reg in registry
+                if any(fnmatch.fnmatch(haystack, f"*{pattern.lower()}*") for pattern in reg.spec.checkpoint_patterns)
+            ]
+            if len(matches) > 1:
+                self.fail(
+                    f"--hf-checkpoint {checkpoint}: matches the name patterns of several families "
+                    f"({', '.join(m.name for m in matches)}); pass --diffusion-model-family"
+                )
+                return
+            if not matches:
+                self.fail(
+                    f"--hf-checkpoint {checkpoint}: no installed model family matches its name "
+                    f"(installed: {', '.join(registry.names()) or 'none'}); pass --diffusion-model-family"
+                    + (f"; plugins that failed to load: {'; '.join(registry.unavailable)}" if registry.unavailable else "")
+                )
+                return
+            spec = matches[0].spec
+            c.set("diffusion_model_family", spec.name, Source.DERIVED)
+        if spec is not None:
+            c.model_family = spec.name
+            c.components["model_family"] = Component.from_registration(registry.get(spec.name))
+        self.resolve_family_defaults(spec)
+
+    def resolve_family_defaults(self, spec: Any) -> None:
+        c = self.config
+        n = self.v("n_samples_per_prompt")
+        if self.v("rollout_microgroup_size") is None:
+            recipe = spec.rollout_microgroup_size if spec else 1
+            c.set("rollout_microgroup_size", max(1, min(recipe, n or 1)), Source.FAMILY if spec else Source.DERIVED)
+        elif spec is not None and spec.max_microgroup_size is not None and self.v("rollout_microgroup_size") > spec.max_microgroup_size:
+            self.fail(
+                f"--rollout-microgroup-size {self.v('rollout_microgroup_size')}: the {spec.name} family supports at "
+                f"most {spec.max_microgroup_size} output(s) per request (its forward packs one sample)"
+            )
+        if self.v("diffusion_sde_type") is None:
+            c.set("diffusion_sde_type", spec.default_sde_type if spec else "sde", Source.FAMILY if spec else Source.DERIVED)
+        if spec is None:
+            return
+        if self.v("lora_target_modules") is None:
+            c.set("lora_target_modules", list(spec.lora_target_modules), Source.FAMILY)
+        if self.v("diffusion_height") is None or self.v("diffusion_width") is None:
+            checkpoint = self.v("hf_checkpoint")
+            if checkpoint and Path(checkpoint).is_dir():
+                try:
+                    family_cls = self.host.registries.model_family.get(spec.name).load()
+                    size = family_cls.native_size(checkpoint)
+                except (ComponentLoadError, OSError, ValueError) as exc:
+                    self.fail(f"--hf-checkpoint {checkpoint}: cannot read the {spec.name} pipeline's native size: {exc}")
+                    return
+                if size is not None:
+                    for dest, value in zip(("diffusion_height", "diffusion_width"), size):
+                        if self.v(dest) is None:
+                            c.set(dest, int(value), Source.FAMILY)
+
+    # -- batch knobs -----------------------------------------------------------------
+
+    def resolve_batch(self) -> None:
+        c = self.config
+        rbs = self.v("rollout_batch_size")
+        n = self.v("n_samples_per_prompt")
+        if rbs is None:
+            self.fail("--rollout-batch-size is required: prompts per rollout")
+            return
+        if rbs < 1 or n is None or n < 1:
+            self.fail(f"--rollout-batch-size {rbs} and --n-samples-per-prompt {n} must be positive")
+            return
+        total = rbs * n
+        gbs, steps = self.v("global_batch_size"), self.v("num_steps_per_rollout")
+        rule = (
+            "rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout "
+            f"({rbs} x {n} = {total})"
+        )
+        if gbs is not None and steps is not None:
+            if gbs * steps != total:
+                self.fail(f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} contradict {rule}: {gbs} x {steps} = {gbs * steps}")
+                return
+        elif gbs is not None:
+            if gbs < 1 or total % gbs:
+                self.fail(f"--global-batch-size {gbs} must divide {rbs} x {n} = {total} samples per rollout ({rule})")
+                return
+            c.set("num_steps_per_rollout", total // gbs, Source.DERIVED)
+        else:
+            steps = 1 if steps is None else steps
+            if steps < 1 or total % steps:
+                self.fail(f"--num-steps-per-rollout {steps} must divide {rbs} x {n} = {total} samples per rollout ({rule})")
+                return
+            if self.v("num_steps_per_rollout") is None:
+                c.set("num_steps_per_rollout", steps, Source.DERIVED)
+            c.set("global_batch_size", total // steps, Source.DERIVED)
+        gbs = self.v("global_batch_size")
+        dp = c.data_parallel_size
+        if gbs % dp:
+            self.fail(f"--global-batch-size {gbs} must be divisible by the data-parallel size {dp}")
+        microgroup = self.v("rollout_microgroup_size")
+        if microgroup is not None and microgroup > n:
+            self.fail(
+                f"--rollout-microgroup-size {microgroup} exceeds --n-samples-per-prompt {n}: "
+                "a microgroup is part of one prompt's group"
+            )
+        mbs_sample, mbs_tstep = self.v("micro_batch_size_sample"), self.v("micro_batch_size_tstep")
+        if (mbs_sample is None) != (mbs_tstep is None):
+            self.fail("--micro-batch-size-sample and --micro-batch-size-tstep must be set together (a 2-D sample x tstep tile)")
+        elif mbs_sample is not None:
+            if mbs_sample < 1 or mbs_tstep < 1:
+                self.fail("--micro-batch-size-sample and --micro-batch-size-tstep must be positive")
+            else:
+                c.set("micro_batch_size", mbs_sample * mbs_tstep, Source.DERIVED)
+        over = self.v("over_sampling_batch_size")
+        if over is not None and over != rbs:
+            self.fail(f"--over-sampling-batch-size {over} must equal --rollout-batch-size {rbs}")
+
+    # -- components and dotted paths ---------------------------------------------------
+
+    def resolve_components(self) -> None:
+        c = self.config
+        registries = self.host.registries
+        for kind, dest in (("loss", "loss_type"), ("sde_backend", "diffusion_sde_type"), ("reward", "rm_type")):
+            name = self.v(dest)
+            if name is not None and name in registries[kind]:
+                c.components[kind] = Component.from_registration(registries[kind].get(name))
+        for dest in c:
+            flag = c.flag(dest)
+            value = self.v(dest)
+            if flag.path_kind is None or value is None:
+                continue
+            try:
+                resolve_path_flag(flag.name, value, flag.path_kind)
+            except PathFlagError as exc:
+                self.fail(str(exc))
+                continue
+            slot = {
+                "sde_step_backend_path": "sde_backend",
+                "custom_loss_function_path": "loss",
+                "custom_rm_path": "reward",
+                "train_pipeline_config_path": "model_family",
+                "diffusion_step_strategy_path": "step_strategy",
+            }.get(dest)
+            if slot:
+                c.components[slot] = Component(slot, value, f"{flag.name} {value}")
+        if self.v("loss_type") == "custom_loss" and self.v("custom_loss_function_path") is None:
+            self.fail("--loss-type custom_loss requires --custom-loss-function-path")
+        if self.v("custom_loss_function_path") is not None and self.v("loss_type") != "custom_loss":
+            self.fail("--custom-loss-function-path is used only with --loss-type custom_loss")
+
+    # -- the reference's rules ----------------------------------------------------------
+
+    def check_rules(self) -> None:
+        v = self.v
+        requires = [
+            ("save_interval", "save", "--save-interval requires --save (where to write checkpoints)"),
+            ("lora_ipc_weight_sync", "use_lora", "--lora-ipc-weight-sync requires --use-lora (it sends only lora_A/lora_B)"),
+            ("colocate_reward", "colocate", "--colocate-reward requires --colocate"),
+            ("ckpt_step", "load", "--ckpt-step requires --load"),
+            ("load_debug_rollout_data_subsample", "load_debug_rollout_data",
+             "--load-debug-rollout-data-subsample requires --load-debug-rollout-data"),
+        ]
+        for dest, needed, message in requires:
+            if v(dest) not in (None, False) and v(needed) in (None, False):
+                self.fail(message)
+        if v("eval_interval") is not None and not (v("eval_prompt_data") or v("eval_config")):
+            self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config)")
+        if v("eval_prompt_data") and len(v("eval_prompt_data")) % 2:
+            self.fail("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
+        if v("train_only") and v("debug_rollout_only"):
+            self.fail("--train-only and --debug-rollout-only are mutually exclusive")
+        if v("diffusion_recompute_old_log_prob") and v("loss_type") != "policy_loss":
+            self.fail("--diffusion-recompute-old-log-prob applies to --loss-type policy_loss only")
+        if v("use_ema") and v("ref_mode") != "ema" and v("ema_rollout_policy") != "ema" and v("loss_type") != "nft":
+            self.fail("--use-ema needs a consumer: --ref-mode ema, --ema-rollout-policy ema, or --loss-type nft")
+        if v("ema_rollout_policy") == "ema" and not v("use_ema"):
+            self.fail("--ema-rollout-policy ema requires --use-ema")
+        if v("ref_mode") == "lora_base" and not v("use_lora"):
+            self.fail("--ref-mode lora_base requires --use-lora (the reference is the model with LoRA disabled)")
+        if v("lr_warmup_iters") and v("lr_warmup_fraction") is not None:
+            self.fail("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
+        if v("lr_decay_style") == "wsd" and v("lr_wsd_decay_iters") is None:
+            self.fail("--lr-decay-style wsd requires --lr-wsd-decay-iters")
+        if v("num_rollout") is not None and v("num_epoch") is not None:
+            self.config.notes.append("--num-epoch is ignored because --num-rollout is set (as in the reference)")
+
+    def check_ranges(self) -> None:
+        positive = [
+            "micro_batch_size", "diffusion_num_steps", "actor_num_nodes", "rollout_num_gpus_per_engine",
+            "sglang_server_concurrency", "update_weight_buffer_size", "rollout_parser_num_workers",
+            "lora_rank", "lora_alpha", "distributed_timeout_minutes",
+        ]
+        for dest in positive:
+            value = self.v(dest)
+            if value is not None and value < 1:
+                self.fail(f"{self.name(dest)} {value}: must be at least 1")
+        non_negative = [
+            "diffusion_noise_level", "diffusion_guidance_scale", "diffusion_kl_beta", "lr", "weight_decay",
+            "diffusion_num_sde_steps", "rollout_health_check_first_wait", "min_lr",
+        ]
+        for dest in non_negative:
+            value = self.v(dest)
+            if value is not None and value < 0:
+                self.fail(f"{self.name(dest)} {value}: must not be negative")
+        for dest in ("diffusion_clip_range", "diffusion_adv_clip_max", "adam_eps", "rollout_health_check_interval",
+                     "rollout_health_check_timeout", "diffusion_nft_beta"):
+            value = self.v(dest)
+            if value is not None and value <= 0:
+                self.fail(f"{self.name(dest)} {value}: must be positive")
+        for dest in ("adam_beta1", "adam_beta2"):
+            value = self.v(dest)
+            if not 0 <= value < 1:
+                self.fail(f"{self.name(dest)} {value}: must be in [0, 1)")
+        fraction = self.v("diffusion_nft_timestep_fraction")
+        if fraction is not None and not 0 < fraction <= 1:
+            self.fail(f"--diffusion-nft-timestep-fraction {fraction}: must be in (0, 1]")
+        window = self.v("diffusion_sde_window_range")
+        steps = self.v("diffusion_num_steps")
+        if window is not None and not 0 <= window[0] < window[1] <= steps:
+            self.fail(
+                f"--diffusion-sde-window-range {window[0]},{window[1]}: need 0 <= lo < hi <= --diffusion-num-steps {steps}"
+            )
+        for dest in ("diffusion_height", "diffusion_width"):
+            value = self.v(dest)
+            if value is not None and value < 1:
+                self.fail(f"{self.name(dest)} {value}: must be positive")

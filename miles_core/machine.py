@@ -1,0 +1,21 @@
+"""What this machine offers, read without importing torch (config resolution is fast)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def visible_gpu_count() -> int:
+    """NVIDIA GPUs the driver exposes, restricted by ``CUDA_VISIBLE_DEVICES``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [part for part in visible.split(",") if part.strip() and part.strip() != "-1"]
+        if not ids:
+            return 0
+    gpus_dir = Path("/proc/driver/nvidia/gpus")
+    try:
+        present = len(list(gpus_dir.iterdir()))
+    except OSError:
+        present = 0
+    return min(present, len(ids)) if visible is not None else present

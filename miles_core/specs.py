@@ -1,0 +1,167 @@
+"""Spec records: what registration hooks return.
+
+A spec is plain, frozen data: a ``name`` (the registry key), a lazy ``ref``
+(``"package.module:object"``) that is imported only when the object is first used,
+and metadata the core can act on without importing the object. Registering a spec
+has no side effects, so discovering every plugin stays cheap.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """Base of every registration record."""
+
+    kind: ClassVar[str] = ""
+
+    name: str
+    """Registry key, lower-case with underscores (``jpeg_compressibility``)."""
+    ref: str
+    """Lazy reference ``"package.module:object"`` to the implementation."""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"{type(self).__name__}.name {self.name!r} must be lower-case letters, digits "
+                "and underscores, starting with a letter"
+            )
+        if not isinstance(self.ref, str) or not _REF.match(self.ref):
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: ref {self.ref!r} must look like "
+                "'package.module:object'"
+            )
+
+    def metadata(self) -> dict[str, Any]:
+        """Plain metadata (everything but name and ref), for listings and ``config``."""
+        from dataclasses import asdict
+
+        data = asdict(self)
+        data.pop("name")
+        data.pop("ref")
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamilySpec(Spec):
+    """A diffusion model family (DESIGN section 4). ``ref`` names a
+    :class:`miles_core.family.ModelFamily` subclass."""
+
+    kind: ClassVar[str] = "model_family"
+
+    checkpoint_patterns: tuple[str, ...]
+    """Case-insensitive substrings of ``--hf-checkpoint`` that select this family."""
+    trainable_components: tuple[str, ...] = ("transformer",)
+    """Pipeline components that training updates and weight sync sends."""
+    lora_target_modules: tuple[str, ...]
+    """Default ``--lora-target-modules`` (module-name suffixes as PEFT matches them)."""
+    n_samples_per_prompt: int
+    """Recipe group size (GRPO ``n``)."""
+    rollout_microgroup_size: int
+    """Recipe default for ``--rollout-microgroup-size`` when the flag is unset."""
+    max_microgroup_size: int | None = None
+    """Largest microgroup the family's forward supports (1 for single-sample forwards)."""
+    default_sde_type: str = "sde"
+    """``--diffusion-sde-type`` when the flag is unset."""
+    supports_cfg_training: bool = True
+    """Whether training-side forwards may apply classifier-free guidance."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field in ("checkpoint_patterns", "trainable_components", "lora_target_modules"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"ModelFamilySpec {self.name!r}: {field} must be a tuple of strings")
+        if not self.trainable_components:
+            raise ValueError(f"ModelFamilySpec {self.name!r}: trainable_components is empty")
+        for field in ("n_samples_per_prompt", "rollout_microgroup_size"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                raise ValueError(f"ModelFamilySpec {self.name!r}: {field} must be a positive int")
+        if self.max_microgroup_size is not None and self.rollout_microgroup_size > self.max_microgroup_size:
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: rollout_microgroup_size {self.rollout_microgroup_size} "
+                f"exceeds max_microgroup_size {self.max_microgroup_size}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SdeBackendSpec(Spec):
+    """A denoising-step backend (``sde``, ``cps``, ``ode``). ``ref`` names a
+    :class:`miles_core.sde.SdeBackend` subclass."""
+
+    kind: ClassVar[str] = "sde_backend"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStrategySpec(Spec):
+    """Chooses which denoising steps run the SDE and which latents are returned."""
+
+    kind: ClassVar[str] = "step_strategy"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpec(Spec):
+    """A training loss selectable with ``--loss-type``."""
+
+    kind: ClassVar[str] = "loss"
+    needs_sde_steps: bool = False
+    """True when the loss trains on SDE transitions (``policy_loss``): it then needs
+    ``--diffusion-num-sde-steps > 0``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSpec(Spec):
+    """A reward model selectable with ``--rm-type``. ``ref`` names a class built as
+    ``cls(config)`` and called as ``reward(outputs, prompts, metadata) -> list[float]``."""
+
+    kind: ClassVar[str] = "reward"
+    modality: tuple[str, ...] = ("image", "video")
+    """Which outputs it can score."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutFilterSpec(Spec):
+    """A rollout filter: ``stage`` is ``group`` (dynamic sampling), ``sample`` (loss
+    mask) or ``buffer`` (buffer selection)."""
+
+    kind: ClassVar[str] = "rollout_filter"
+    stage: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage not in ("group", "sample", "buffer"):
+            raise ValueError(
+                f"RolloutFilterSpec {self.name!r}: stage {self.stage!r} must be group, sample or buffer"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutEngineSpec(Spec):
+    """A rollout engine selectable with ``--rollout-engine``."""
+
+    kind: ClassVar[str] = "rollout_engine"
+    remote: bool = False
+    """True when the engine runs outside the trainer's process (weights cross a boundary)."""
+
+
+SPEC_TYPES: dict[str, type[Spec]] = {
+    cls.kind: cls
+    for cls in (
+        ModelFamilySpec,
+        SdeBackendSpec,
+        StepStrategySpec,
+        LossSpec,
+        RewardSpec,
+        RolloutFilterSpec,
+        RolloutEngineSpec,
+    )
+}
+"""Every registry kind, keyed by ``Spec.kind``."""

@@ -1,0 +1,193 @@
+"""Checks that every plugin's test suite needs, in one place.
+
+Plugin authors call these from their own tests (the packages under ``plugins/`` do):
+the plugin loads strictly through its real entry-point metadata, its registration
+imports stay light, its LoRA targets exist, and its tiny pipeline builds
+deterministically; :func:`tiny_pipeline_fixtures` gives every suite the same built and
+loaded tiny pipeline. Torch, PEFT, safetensors and pytest are imported inside the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from miles_core.hookspecs import ENTRY_POINT_GROUP
+from miles_core.plugin_manager import PluginHost
+
+if TYPE_CHECKING:
+    import torch
+
+HEAVY_MODULES = ("torch", "diffusers", "transformers")
+
+
+def load_plugin(name: str, distribution: str) -> PluginHost:
+    """Load only the entry point ``name`` of ``miles.plugins``, strictly, and check
+    that ``distribution`` declares it and that it loaded without error."""
+    found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    assert len(found) == 1, f"entry point {name!r} of {ENTRY_POINT_GROUP}: found {len(found)}"
+    (ep,) = found
+    assert ep.dist is not None and ep.dist.metadata["Name"] == distribution, (
+        f"entry point {name!r} belongs to {ep.dist and ep.dist.metadata['Name']!r}, expected {distribution!r}"
+    )
+    host = PluginHost(strict=True, disabled=(), entry_points=found)
+    record = host.record(name)
+    assert record.status == "ok", record.error
+    return host
+
+
+def _heavy_modules_after(code: str, heavy: Sequence[str]) -> list[str]:
+    """Which of ``heavy`` a fresh interpreter has loaded after running ``code``."""
+    code += (
+        "import json as _json, sys as _sys\n"
+        f"print(_json.dumps(sorted(m for m in {list(heavy)!r} if m in _sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise AssertionError(f"running\n{code}failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def heavy_modules_after_import(modules: Iterable[str], heavy: Sequence[str] = HEAVY_MODULES) -> list[str]:
+    """Which of ``heavy`` a fresh interpreter has loaded after importing ``modules``."""
+    code = f"import importlib\nfor name in {list(modules)!r}:\n    importlib.import_module(name)\n"
+    return _heavy_modules_after(code, heavy)
+
+
+def assert_import_is_light(*modules: str, heavy: Sequence[str] = HEAVY_MODULES) -> None:
+    """Importing ``modules`` in a fresh interpreter loads none of ``heavy``."""
+    loaded = heavy_modules_after_import(modules, heavy)
+    assert loaded == [], f"importing {', '.join(modules)} loads {', '.join(loaded)}"
+
+
+def assert_plugin_is_light(
+    name: str,
+    distribution: str,
+    *,
+    checkpoint: str = "no/such-checkpoint",
+    heavy: Sequence[str] = HEAVY_MODULES,
+) -> None:
+    """What the core does before any model is needed loads none of ``heavy``: in a fresh
+    interpreter, load the plugin ``name`` as :func:`load_plugin` does (which imports its
+    entry-point module and calls its registration hooks), resolve the class of every model
+    family it registers and call its ``native_size(checkpoint)`` (as config resolution
+    does)."""
+    code = (
+        "from miles_core.testing import load_plugin\n"
+        f"host = load_plugin({name!r}, {distribution!r})\n"
+        f"for family_name in host.record({name!r}).registers.get('model_family', []):\n"
+        f"    host.registries.model_family.get(family_name).load().native_size({checkpoint!r})\n"
+    )
+    loaded = _heavy_modules_after(code, heavy)
+    assert loaded == [], f"loading plugin {name!r} and resolving its families loads {', '.join(loaded)}"
+
+
+def assert_lora_targets(model: torch.nn.Module, targets: Sequence[str]) -> list[str]:
+    """Every target suffix names at least one module of ``model`` (PEFT's rule: the whole
+    module name or a dot-separated suffix of it), every module it names is an
+    ``nn.Linear`` (PEFT would also wrap a convolution or an embedding), and PEFT wraps
+    each. Returns the names of the wrapped modules; ``model`` itself is left untouched."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    modules = dict(model.named_modules())
+    linears = {name for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
+    for target in targets:
+        matched = [name for name in modules if name == target or name.endswith("." + target)]
+        assert any(name in linears for name in matched), (
+            f"LoRA target {target!r} matches no nn.Linear of {type(model).__name__}"
+        )
+        others = [f"{name} ({type(modules[name]).__name__})" for name in matched if name not in linears]
+        assert not others, f"LoRA target {target!r} also matches modules that are not nn.Linear: {others}"
+    wrapped_model = inject_adapter_in_model(LoraConfig(r=2, target_modules=list(targets)), copy.deepcopy(model))
+    wrapped = [name for name, module in wrapped_model.named_modules() if hasattr(module, "lora_A")]
+    for target in targets:
+        assert any(name == target or name.endswith("." + target) for name in wrapped), target
+    return wrapped
+
+
+def saved_tensors(directory: str | Path) -> dict[str, Any]:
+    """Every tensor of every ``*.safetensors`` file under ``directory``, keyed by
+    ``relative/path.safetensors:tensor_name``."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    tensors: dict[str, Any] = {}
+    for path in sorted(root.rglob("*.safetensors")):
+        for key, value in load_file(path).items():
+            tensors[f"{path.relative_to(root)}:{key}"] = value
+    return tensors
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def assert_build_is_deterministic(family: Any, workdir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``family.build_tiny_pipeline`` writes the same files, byte for byte (weights,
+    configs, tokenizers), for the same seed, and for another seed the same files with
+    different tensors in every ``*.safetensors`` file (the control that makes the first
+    check mean something: no component may ignore the seed). Returns the
+    :func:`saved_tensors` of the seed-0 and seed-1 builds."""
+    import torch
+
+    workdir = Path(workdir)
+    first_dir = family.build_tiny_pipeline(workdir / "seed0-a", seed=0)
+    again_dir = family.build_tiny_pipeline(workdir / "seed0-b", seed=0)
+    other_dir = family.build_tiny_pipeline(workdir / "seed1", seed=1)
+    first_files, again_files = _files(Path(first_dir)), _files(Path(again_dir))
+    assert first_files.keys() == again_files.keys(), "same seed, different files"
+    changed = [path for path in first_files if first_files[path] != again_files[path]]
+    assert not changed, f"same seed, different contents: {', '.join(changed)}"
+    first, other = saved_tensors(first_dir), saved_tensors(other_dir)
+    assert first and first.keys() == other.keys()
+    for weights in sorted({key.split(":", 1)[0] for key in first}):
+        keys = [key for key in first if key.split(":", 1)[0] == weights]
+        assert not all(torch.equal(first[k], other[k]) for k in keys), (
+            f"seed 1 built the same weights as seed 0 in {weights}"
+        )
+    return first, other
+
+
+def directory_size(directory: str | Path) -> int:
+    """Total bytes of the files under ``directory``."""
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+
+
+def load_tiny_pipeline(family: Any, directory: str | Path) -> Any:
+    """``family.load_pipeline(directory)``, checked to be exactly the family's
+    ``pipeline_class``, with its progress bar off."""
+    pipe = family.load_pipeline(directory)
+    expected = family.resolve_pipeline_class()
+    assert type(pipe) is expected, (
+        f"{family.__name__}.load_pipeline gave a {type(pipe).__name__}, expected {expected.__name__}"
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_pipeline_fixtures(family: Any, *, seed: int = 0) -> tuple[Any, Any]:
+    """Module-scoped pytest fixtures ``(tiny_dir, pipe)``: ``family``'s tiny pipeline built
+    once with ``seed`` into a temporary directory, and that directory loaded with
+    :func:`load_tiny_pipeline`. Assign them to those names in a test module::
+
+        tiny_dir, pipe = testing.tiny_pipeline_fixtures(SD3Family)
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return Path(family.build_tiny_pipeline(tmp_path_factory.mktemp(family.__name__) / "tiny", seed=seed))
+
+    @pytest.fixture(scope="module")
+    def pipe(tiny_dir: Path) -> Any:
+        return load_tiny_pipeline(family, tiny_dir)
+
+    return tiny_dir, pipe

@@ -1,0 +1,1 @@
+"""Building blocks for the families' tiny offline pipelines (no model hub needed)."""

@@ -1,0 +1,1 @@
+"""miles-rewards: reward models for miles-core (registered under ``miles.plugins``)."""

@@ -1,0 +1,27 @@
+"""Turning generated outputs into the uint8 frames that image rewards score."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def to_uint8_frames(output: Any) -> list[np.ndarray]:
+    """One generated output -> its frames as ``uint8`` ``[H, W, C]`` arrays.
+
+    ``output`` is an image ``[C, H, W]`` or a video ``[C, F, H, W]``: a float tensor or
+    array in ``[0, 1]`` (what the engine returns) or already ``uint8``. Floats are
+    scaled as the Flow-GRPO rewards do: ``round(x * 255)`` clamped to ``[0, 255]``.
+    """
+    array = np.asarray(output.detach().cpu() if hasattr(output, "detach") else output)
+    if array.ndim not in (3, 4):
+        raise ValueError(f"expected an image [C,H,W] or a video [C,F,H,W], got shape {array.shape}")
+    if array.shape[0] not in (1, 3):
+        raise ValueError(f"expected 1 or 3 channels first, got shape {array.shape}")
+    if array.dtype != np.uint8:
+        array = np.clip(np.round(array.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
+    if array.ndim == 3:
+        array = array[:, None]
+    # [C, F, H, W] -> F frames of [H, W, C]
+    return [np.ascontiguousarray(frame) for frame in array.transpose(1, 2, 3, 0)]

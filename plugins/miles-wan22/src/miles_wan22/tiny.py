@@ -1,0 +1,113 @@
+"""A tiny, randomly initialised two-expert Wan 2.2 pipeline (real diffusers classes).
+
+Heavy module (torch, diffusers, transformers): import it only when building.
+Sizes follow ``notes/tiny-pipelines.md``; the saved directory is well under 1 MB and
+loads with ``WanPipeline.from_pretrained(dir)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from transformers import UMT5Config, UMT5EncoderModel
+
+from miles_core.tiny.tokenizers import t5_tokenizer
+
+BOUNDARY_RATIO = 0.875
+"""Wan 2.2 A14B: timesteps >= 0.875 x 1000 go to ``transformer``, the rest to ``transformer_2``."""
+TEXT_DIM = 32
+"""UMT5 ``d_model``; the transformers' ``text_dim`` must equal it."""
+LATENT_CHANNELS = 16
+"""VAE ``z_dim``; also the transformers' in/out channels (the VAE's latents_mean/std have 16)."""
+_MODULE_COUNT = 4
+"""Seeded modules per pipeline (text encoder, VAE, two experts)."""
+
+T = TypeVar("T")
+
+
+def _transformer() -> WanTransformer3DModel:
+    """One expert; both experts share this config and differ only in their weights."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _text_encoder(vocab_size: int) -> UMT5EncoderModel:
+    """UMT5 encoder sized to the tiny tokenizer; its d_model feeds the experts' text_dim."""
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return UMT5EncoderModel(config).eval()
+
+
+def _vae() -> AutoencoderKLWan:
+    # Four levels with three spatial and two temporal halvings keep the real 8x / 4x
+    # compression, so pipeline size arithmetic matches the real model's.
+    return AutoencoderKLWan(
+        base_dim=3,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ).eval()
+
+
+def _scheduler() -> UniPCMultistepScheduler:
+    # What the released Wan checkpoints ship: UniPC in flow-matching mode.
+    return UniPCMultistepScheduler(
+        num_train_timesteps=1000,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+    )
+
+
+def _seeded(seed: int, index: int, make: Callable[[], T]) -> T:
+    """Build one module from its own random stream: one module's size never shifts
+    another's weights, the two experts (same config) differ, and no module of one seed
+    repeats a module of another seed."""
+    torch.manual_seed(seed * _MODULE_COUNT + index)
+    return make()
+
+
+def build(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny pipeline to ``out_dir``; the same ``seed`` gives identical weights."""
+    out = Path(out_dir)
+    tokenizer = t5_tokenizer(model_max_length=512)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        vae=_seeded(seed, 1, _vae),
+        scheduler=_scheduler(),
+        transformer=_seeded(seed, 2, _transformer),
+        transformer_2=_seeded(seed, 3, _transformer),
+        boundary_ratio=BOUNDARY_RATIO,
+    )
+    pipe.save_pretrained(out)
+    return out

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install everything, then run every test suite (the core's and each plugin's), each in
+# its own pytest process so the suites' `tests` packages never collide.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh || exit 1
+
+export MILES_STRICT_PLUGINS=1
+reports=$(mktemp -d)
+trap 'rm -rf "$reports"' EXIT
+status=0
+suites=(tests plugins/*/tests)
+for suite in "${suites[@]}"; do
+  echo "== $suite"
+  name=$(echo "$suite" | tr '/' '_')
+  .venv/bin/python -m pytest "$suite" -q -p no:cacheprovider --junitxml="$reports/$name.xml" "$@" || status=1
+done
+.venv/bin/python - "$reports" <<'PY'
+import sys, pathlib, xml.etree.ElementTree as ET
+totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    for suite in ET.parse(report).getroot().iter("testsuite"):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+failed = totals["failures"] + totals["errors"]
+passed = totals["tests"] - failed - totals["skipped"]
+print(f"all suites: {passed} passed, {failed} failed, {totals['skipped']} skipped")
+PY
+exit $status
