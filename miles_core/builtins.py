@@ -7,7 +7,7 @@ run first uses them.
 from __future__ import annotations
 
 from miles_core.hookspecs import hookimpl
-from miles_core.specs import LossSpec, SdeBackendSpec
+from miles_core.specs import LossSpec, RolloutEngineSpec, SdeBackendSpec, StepStrategySpec
 
 
 @hookimpl
@@ -27,6 +27,27 @@ def miles_register_sde_backends() -> list[SdeBackendSpec]:
             name="ode",
             ref="miles_core.sde:OdeBackend",
             description="Deterministic Euler step, log-prob 0 (DiffusionNFT rollouts)",
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_step_strategies() -> list[StepStrategySpec]:
+    return [
+        StepStrategySpec(
+            name="sde_window",
+            ref="miles_core.step_strategies:sde_window",
+            description="Contiguous window of --diffusion-num-sde-steps SDE steps, start drawn from the request seed",
+        ),
+        StepStrategySpec(
+            name="epoch_global_random_choice",
+            ref="miles_core.step_strategies:epoch_global_random_choice",
+            description="--diffusion-num-sde-steps of --diffusion-sde-candidate-steps, one draw per epoch for all samples",
+        ),
+        StepStrategySpec(
+            name="ode_and_return_last",
+            ref="miles_core.step_strategies:ode_and_return_last",
+            description="No SDE step, only the final latent returned (DiffusionNFT)",
         ),
     ]
 
@@ -54,5 +75,22 @@ def miles_register_losses() -> list[LossSpec]:
             name="custom_loss",
             ref="miles_core.losses:custom_loss",
             description="The function named by --custom-loss-function-path",
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_rollout_engines() -> list[RolloutEngineSpec]:
+    return [
+        RolloutEngineSpec(
+            name="embedded",
+            ref="miles_core.engine.embedded:EmbeddedEngine",
+            description="In-process engine over the family's diffusers pipeline (CPU or GPU)",
+        ),
+        RolloutEngineSpec(
+            name="http",
+            ref="miles_core.engine.http:HttpEngine",
+            description="Servers speaking POST /rollout/generate (miles-core serve-engine, sglang-diffusion)",
+            remote=True,
         ),
     ]

@@ -1,32 +1,175 @@
 """The model-family contract (DESIGN section 4).
 
 A family plugin registers a :class:`~miles_core.specs.ModelFamilySpec` whose ``ref``
-names a :class:`ModelFamily` subclass. This module stays import-light: torch and
-diffusers are imported inside the methods that need them, so resolving a family (for
-example to read its native size while validating a configuration) loads no model code.
+names a :class:`ModelFamily` subclass. The class side loads pipelines, builds tiny ones
+and reads native sizes; an instance wraps one loaded pipeline and runs the denoising
+prediction. **The same instance methods serve the rollout engine and the trainer**, so
+both compute the same velocity for the same inputs.
+
+This module stays import-light: torch and diffusers are imported inside the methods that
+need them, so resolving a family (for example to read its native size while validating a
+configuration) loads no model code.
 """
 
 from __future__ import annotations
 
+import abc
 import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 if TYPE_CHECKING:
+    import torch
     from diffusers import DiffusionPipeline
 
+    from miles_core.engine.request import RolloutRequest
 
-class ModelFamily:
-    """Loading and tiny-pipeline building for one family of diffusers pipelines.
+Latents = dict[str, "torch.Tensor"]
+"""Named latent streams, batch first (``{"latents": x}``; LTX-2 adds ``audio_latents``)."""
 
-    Subclasses set :attr:`pipeline_class` and implement :meth:`build_tiny_pipeline`;
-    they override :meth:`native_size` when the pipeline's default output size can be
-    read from its configuration files.
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request's sampling parameters with the family's defaults filled in."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    num_frames: int | None = None
+    fps: float | None = None
+    true_cfg_scale: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Family-specific parameters (``extra_sampling_params``, e.g. ``guidance_scale_2``)."""
+
+
+@dataclass
+class Conditioning:
+    """What the denoiser needs besides latents and timestep, batch first.
+
+    ``positive`` and ``negative`` map keyword names of the transformer call (for SD3
+    ``encoder_hidden_states``, ``pooled_projections``) to tensors; ``negative`` is None
+    when classifier-free guidance is off. Encoded once per request with batch 1, then
+    expanded to the request's outputs.
+    """
+
+    positive: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None = None
+
+    def expand(self, n: int) -> Conditioning:
+        """Repeat every row ``n`` times (``repeat_interleave``), for ``n`` outputs."""
+        def rep(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+            return None if tensors is None else {k: v.repeat_interleave(n, dim=0) for k, v in tensors.items()}
+
+        return Conditioning(rep(self.positive), rep(self.negative))  # type: ignore[arg-type]
+
+    def row(self, i: int) -> Conditioning:
+        """Output ``i``'s conditioning, batch 1."""
+        def take(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+            return None if tensors is None else {k: v[i : i + 1] for k, v in tensors.items()}
+
+        return Conditioning(take(self.positive), take(self.negative))  # type: ignore[arg-type]
+
+    @staticmethod
+    def cat(parts: Sequence[Conditioning]) -> Conditioning:
+        """Concatenate along the batch (the trainer's micro-batches)."""
+        import torch
+
+        def join(key: str) -> dict[str, torch.Tensor] | None:
+            values = [getattr(p, key) for p in parts]
+            if any(v is None for v in values):
+                if not all(v is None for v in values):
+                    raise ValueError("cannot batch conditionings with and without a negative prompt")
+                return None
+            return {k: torch.cat([v[k] for v in values], dim=0) for k in values[0]}
+
+        return Conditioning(join("positive"), join("negative"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The denoising schedule of one request."""
+
+    timesteps: torch.Tensor
+    """[T]: the transformer's timestep input at each loop step."""
+    sigmas: torch.Tensor
+    """[T + 1] flow-matching sigmas (shift applied), from 1 down to a terminal 0."""
+
+
+class ModelFamily(abc.ABC):
+    """One family of diffusers pipelines.
+
+    Class side: :attr:`pipeline_class`, :meth:`load_pipeline`,
+    :meth:`build_tiny_pipeline`, :meth:`native_size`. Instance side (a loaded pipeline,
+    used by the engine and the trainer alike): :meth:`resolve_params`, :meth:`encode`,
+    :meth:`initial_latents`, :meth:`schedule`, :meth:`predict`, :meth:`decode`.
     """
 
     pipeline_class: ClassVar[str]
     """The diffusers pipeline class, ``"diffusers:StableDiffusion3Pipeline"``."""
+    latent_streams: ClassVar[tuple[str, ...]] = ("latents",)
+    """Names of the latent streams, the primary one first."""
+    batched_outputs: ClassVar[bool] = True
+    """False when the forward has no batch dimension (Cosmos 3): the engine loops."""
+
+    def __init__(self, pipeline: DiffusionPipeline, *, device: Any = "cpu", dtype: Any = None) -> None:
+        import torch
+
+        self.pipeline = pipeline
+        self.device = torch.device(device)
+        self.dtype = dtype or torch.float32
+        pipeline.to(self.device)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint: str | Path, *, device: Any = "cpu", dtype: Any = None) -> ModelFamily:
+        """Load the pipeline with :meth:`load_pipeline` and wrap it."""
+        import torch
+
+        return cls(cls.load_pipeline(checkpoint, dtype=dtype or torch.float32), device=device, dtype=dtype)
+
+    # -- instance side: the prediction contract ---------------------------------------
+
+    @abc.abstractmethod
+    def components(self) -> dict[str, torch.nn.Module]:
+        """The pipeline's trainable components by name (``transformer`` ...)."""
+
+    @abc.abstractmethod
+    def resolve_params(self, request: RolloutRequest) -> GenerationParams:
+        """Fill the request's unset sizes and options with the pipeline's defaults and
+        check them; a bad value raises :class:`~miles_core.engine.request.RequestError`
+        naming the field."""
+
+    @abc.abstractmethod
+    def encode(self, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
+        """Encode the prompt (and the negative prompt when guidance needs it) once,
+        with batch 1."""
+
+    @abc.abstractmethod
+    def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
+        """Initial noise, output *i* drawn on the CPU in fp32 from ``generators[i]``
+        (seeded ``seed + i``) and then moved to the device, so any engine that follows
+        the same rule starts a sample from the same noise."""
+
+    @abc.abstractmethod
+    def schedule(self, params: GenerationParams) -> Schedule:
+        """Timesteps and sigmas of the sampling loop (shift applied)."""
+
+    @abc.abstractmethod
+    def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
+        """The velocity for every stream, guidance included. ``timestep`` is ``[B]`` on
+        the transformer's scale; rows are independent (the trainer mixes steps)."""
+
+    @abc.abstractmethod
+    def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
+        """Final latents to pixels in [0, 1]: ``[B, C, H, W]`` or ``[B, C, F, H, W]``."""
+
+    def extra_outputs(self, latents: Latents, params: GenerationParams) -> dict[str, torch.Tensor]:
+        """Further decoded outputs per sample, batch first (LTX-2's audio); none by default."""
+        return {}
+
+    # -- class side -------------------------------------------------------------------
 
     @classmethod
     def resolve_pipeline_class(cls) -> type[DiffusionPipeline]:
@@ -34,12 +177,12 @@ class ModelFamily:
         return getattr(importlib.import_module(module_name), attr)
 
     @classmethod
-    def load_pipeline(cls, checkpoint: str | Path, *, torch_dtype: Any = None, **kwargs: Any) -> DiffusionPipeline:
+    def load_pipeline(cls, checkpoint: str | Path, *, dtype: Any = None, **kwargs: Any) -> DiffusionPipeline:
         """Load the family's pipeline with ``from_pretrained`` from a local directory or
         hub id (``model_index.json`` layout)."""
         pipeline_cls = cls.resolve_pipeline_class()
-        if torch_dtype is not None:
-            kwargs["torch_dtype"] = torch_dtype
+        if dtype is not None:
+            kwargs["dtype"] = dtype  # diffusers' name since 0.36 (torch_dtype is deprecated)
         return pipeline_cls.from_pretrained(str(checkpoint), **kwargs)
 
     @classmethod

@@ -52,7 +52,10 @@ __all__ = [
     "OdeBackend",
     "SdeBackend",
     "StepOutput",
+    "StreamStep",
     "broadcast_sigma",
+    "score_streams",
+    "step_streams",
     "working_precision",
 ]
 
@@ -160,11 +163,12 @@ class SdeBackend(abc.ABC):
         sigma_max: float,
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
+        step_index: int | None = None,
     ) -> StepOutput:
         """Take one step from x with velocity v; draws ε from ``generator`` unless
         ``noise`` is given."""
         x, v = working_precision(x), working_precision(v)
-        self._check_step(x, sigma_next, None)
+        self._check_step(x, sigma_next, step_index)
         mean, std = self.mean_std(x, v, sigma, sigma_next, sigma_max=sigma_max)
         batch = x.shape[0]
         std = _per_row(std, x)
@@ -182,7 +186,7 @@ class SdeBackend(abc.ABC):
         # Score x' from (x', μ) exactly as log_prob() will, so that the engine's value and
         # the trainer's recomputation go through the same operations.
         log_prob, fallbacks = self._score(
-            prev_sample.detach(), x, v, sigma, sigma_next, sigma_max, None, mean, std
+            prev_sample.detach(), x, v, sigma, sigma_next, sigma_max, step_index, mean, std
         )
         return StepOutput(prev_sample, mean, std, log_prob, noise, fallbacks, scale)
 
@@ -387,3 +391,82 @@ def _take_rows(t: Tensor, idx: Tensor) -> Tensor:
 def _per_row(std: Tensor, x: Tensor) -> Tensor:
     """Expand a [1, 1, ..., 1] std to [B, 1, ..., 1] so callers can index it per sample."""
     return std.expand((x.shape[0],) + (1,) * (x.ndim - 1)).contiguous()
+
+
+# ------------------------------------------------------------------- latent streams
+@dataclass
+class StreamStep:
+    """A step over a family's named latent streams (DESIGN: LTX-2 has video and audio)."""
+
+    prev_sample: dict[str, Tensor]
+    mean: dict[str, Tensor]
+    std: dict[str, Tensor]
+    noise: dict[str, Tensor] | None
+    log_prob: Tensor
+    """[B]: the mean over every non-batch element of every stream, i.e. the per-stream
+    log-probs weighted by their element counts."""
+    fallback_count: int = 0
+    noise_scale: Tensor | None = None
+
+
+def _joint(outputs: dict[str, StepOutput], x: dict[str, Tensor]) -> Tensor:
+    counts = {name: x[name][0].numel() for name in outputs}
+    total = sum(counts.values())
+    return sum(out.log_prob * (counts[name] / total) for name, out in outputs.items())  # type: ignore[return-value]
+
+
+def step_streams(
+    backend: SdeBackend,
+    x: dict[str, Tensor],
+    v: dict[str, Tensor],
+    sigma: Sigma,
+    sigma_next: Sigma,
+    *,
+    sigma_max: float,
+    noise: dict[str, Tensor] | None = None,
+    step_index: int | None = None,
+) -> StreamStep:
+    """One step of every stream with the same sigmas; the engine's sampling step."""
+    outputs = {
+        name: backend.step(
+            x[name], v[name], sigma, sigma_next, sigma_max=sigma_max,
+            noise=None if noise is None else noise[name], step_index=step_index,
+        )
+        for name in x
+    }
+    return _stream_step(outputs, x)
+
+
+def score_streams(
+    backend: SdeBackend,
+    x_next: dict[str, Tensor],
+    x: dict[str, Tensor],
+    v: dict[str, Tensor],
+    sigma: Sigma,
+    sigma_next: Sigma,
+    *,
+    sigma_max: float,
+    step_index: int | None = None,
+) -> StreamStep:
+    """The log-probability of a recorded transition of every stream; the trainer's
+    recomputation, through the same operations as :func:`step_streams`."""
+    outputs = {
+        name: backend.log_prob(x_next[name], x[name], v[name], sigma, sigma_next,
+                               sigma_max=sigma_max, step_index=step_index)
+        for name in x
+    }
+    return _stream_step(outputs, x)
+
+
+def _stream_step(outputs: dict[str, StepOutput], x: dict[str, Tensor]) -> StreamStep:
+    first = next(iter(outputs.values()))
+    noises = {name: out.noise for name, out in outputs.items() if out.noise is not None}
+    return StreamStep(
+        prev_sample={name: out.prev_sample for name, out in outputs.items()},
+        mean={name: out.mean for name, out in outputs.items()},
+        std={name: out.std for name, out in outputs.items()},
+        noise=noises or None,
+        log_prob=_joint(outputs, x) if len(outputs) > 1 else first.log_prob,
+        fallback_count=sum(out.fallback_count for out in outputs.values()),
+        noise_scale=first.noise_scale,
+    )

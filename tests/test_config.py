@@ -164,8 +164,15 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
         (["--loss-type", "custom_loss"], "--loss-type custom_loss requires --custom-loss-function-path"),
         (["--over-sampling-batch-size", "3"], "--over-sampling-batch-size 3 must equal --rollout-batch-size 2"),
         (["--diffusion-noise-level", "-0.1"], "--diffusion-noise-level -0.1: must not be negative"),
-        (["--diffusion-sde-window-range", "4,2"], "--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10"),
+        (["--diffusion-sde-window-range", "4,2"], (
+            "--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 "
+            "(the last step is never an SDE step)"
+        )),
         (["--lr-decay-style", "wsd"], "--lr-decay-style wsd requires --lr-wsd-decay-iters"),
+        (["--rollout-engine", "http"], "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"),
+        (["--rollout-engine", "http", "--rollout-engine-urls", "localhost:3000"],
+         "--rollout-engine-urls: 'localhost:3000' is not an http:// or https:// base URL"),
+        (["--rollout-engine", "sglang"], "--rollout-engine sglang: unknown rollout engine; installed: embedded, http"),
     ],
 )
 def test_reference_rules(extra, expected):
@@ -326,3 +333,17 @@ def test_help_is_grouped():
                   "Algorithm and loss:", "Reward:", "Rollout customization hooks:", "LoRA:", "EMA:", "Checkpointing:",
                   "Logging:", "Fault tolerance:", "Debugging:", "CI:", "Reward (plugin miles-rewards):"):
         assert f"\n{title}\n" in result.stdout, title
+
+
+def test_training_only_rules_warn_in_config_and_list_a_fix():
+    from miles_core.config.resolve import training_errors
+
+    c = resolve(*SD35, "--rollout-batch-size", "2")
+    (message,) = training_errors(c)
+    assert message.startswith("--loss-type policy_loss trains on SDE steps but --diffusion-num-sde-steps is 0")
+    assert "--diffusion-num-sde-steps 9" in message
+    assert training_errors(resolve(*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2")) == []
+    assert training_errors(resolve(*SD35, "--rollout-batch-size", "2", "--loss-type", "nft")) == []
+    result = run_cli("config", *SD35, "--rollout-batch-size", "2")
+    assert result.returncode == 0
+    assert "warning: a training run would stop here: --loss-type policy_loss trains on SDE steps" in result.stderr

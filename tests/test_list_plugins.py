@@ -6,7 +6,12 @@ import sys
 from tests.fake_dists import make_dist
 
 REPO_PLUGINS = {
-    "core": ("miles-core", {"sde_backend": ["sde", "cps", "ode"], "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"]}),
+    "core": ("miles-core", {
+        "sde_backend": ["sde", "cps", "ode"],
+        "step_strategy": ["sde_window", "epoch_global_random_choice", "ode_and_return_last"],
+        "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"],
+        "rollout_engine": ["embedded", "http"],
+    }),
     "sd3": ("miles-sd3", {"model_family": ["sd3"]}),
     "wan22": ("miles-wan22", {"model_family": ["wan2_2"]}),
     "ltx": ("miles-ltx", {"model_family": ["ltx"]}),
@@ -73,6 +78,6 @@ def test_failed_and_disabled_plugins_are_listed(tmp_path):
 def test_main_usage_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == "miles-core: error: unknown command 'frobnicate'; commands: list-plugins, config, make-tiny\n"
+    assert result.stderr == "miles-core: error: unknown command 'frobnicate'; commands: list-plugins, config, make-tiny, generate, serve-engine\n"
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "make-tiny" in result.stdout

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from miles_core.config.errors import ConfigError
 from miles_core.config.model import Config, Source
-from miles_core.config.resolve import resolve_config
+from miles_core.config.resolve import resolve_config, training_errors
 
 
 def _plain(value: Any) -> Any:
@@ -53,5 +53,7 @@ def run(argv: Sequence[str], prog: str = "miles-core config") -> int:
         return 2
     for note in config.notes:
         print(f"{prog}: warning: {note}", file=sys.stderr)
+    for message in training_errors(config):
+        print(f"{prog}: warning: a training run would stop here: {message}", file=sys.stderr)
     sys.stdout.write(yaml.safe_dump(config_document(config), sort_keys=False, default_flow_style=False))
     return 0

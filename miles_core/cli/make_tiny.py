@@ -6,7 +6,6 @@ never overwritten."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from typing import Sequence
 
 from miles_core.config.parser import OneLineParser
 from miles_core.plugin_manager import get_host
+from miles_core.quiet import quiet_hub_libraries
 from miles_core.registry import ComponentLoadError
 
 
@@ -39,7 +39,7 @@ def run(argv: Sequence[str], prog: str = "miles-core make-tiny") -> int:
         family = families.get(args.family).load()
     except ComponentLoadError as exc:
         parser.error(str(exc))
-    _quiet_hub_libraries()
+    quiet_hub_libraries()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -53,14 +53,3 @@ def run(argv: Sequence[str], prog: str = "miles-core make-tiny") -> int:
     print(f"wrote a tiny {args.family} pipeline to {out_dir} ({size / 1e6:.2f} MB, seed {args.seed})", file=sys.stderr)
     return 0
 
-
-def _quiet_hub_libraries() -> None:
-    # Saving a few-kilobyte model needs no progress bars or backend notices.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import diffusers
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()

@@ -20,7 +20,15 @@ SGLANG_PREFIX = "--sglang-"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (``prog: error: ...``), exit 2."""
+    """An ArgumentParser whose errors are one line (``prog: error: ...``), exit 2.
+
+    Command modules pass their docstring as the description; its reStructuredText
+    literals are shown as plain text in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("description"):
+            kwargs["description"] = kwargs["description"].replace("``", "")
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -54,6 +54,33 @@ def resolve_config(argv: Sequence[str], *, host: PluginHost | None = None, prog:
     return config
 
 
+class FamilyMatchError(ValueError):
+    """A checkpoint name that matches no installed family, or several."""
+
+
+def match_family(checkpoint: str | Path, registry: Any) -> Any:
+    """The ``model_family`` registration whose name patterns match ``checkpoint``
+    (case-insensitive substrings, ``fnmatch`` wildcards allowed); raise
+    :class:`FamilyMatchError` when none or several match."""
+    haystack = str(checkpoint).lower()
+    matches = [
+        reg for reg in registry
+        if any(fnmatch.fnmatch(haystack, f"*{pattern.lower()}*") for pattern in reg.spec.checkpoint_patterns)
+    ]
+    if len(matches) > 1:
+        raise FamilyMatchError(
+            f"--hf-checkpoint {checkpoint}: matches the name patterns of several families "
+            f"({', '.join(m.name for m in matches)}); pass --diffusion-model-family"
+        )
+    if not matches:
+        raise FamilyMatchError(
+            f"--hf-checkpoint {checkpoint}: no installed model family matches its name "
+            f"(installed: {', '.join(registry.names()) or 'none'}); pass --diffusion-model-family"
+            + (f"; plugins that failed to load: {'; '.join(registry.unavailable)}" if registry.unavailable else "")
+        )
+    return matches[0]
+
+
 class _Resolver:
     def __init__(self, config: Config, host: PluginHost) -> None:
         self.config = config
@@ -77,6 +104,7 @@ class _Resolver:
         self.resolve_components()
         self.check_rules()
         self.check_ranges()
+        self.check_step_selection()
         if self.errors:
             raise ConfigError(self.errors)
         self.config.freeze()
@@ -157,25 +185,11 @@ class _Resolver:
                 return  # already reported by resolve_registry_choices
             spec = registry.get(family_name).spec
         elif checkpoint:
-            haystack = str(checkpoint).lower()
-            matches = [
-                reg for reg in registry
-                if any(fnmatch.fnmatch(haystack, f"*{pattern.lower()}*") for pattern in reg.spec.checkpoint_patterns)
-            ]
-            if len(matches) > 1:
-                self.fail(
-                    f"--hf-checkpoint {checkpoint}: matches the name patterns of several families "
-                    f"({', '.join(m.name for m in matches)}); pass --diffusion-model-family"
-                )
+            try:
+                spec = match_family(checkpoint, registry).spec
+            except FamilyMatchError as exc:
+                self.fail(str(exc))
                 return
-            if not matches:
-                self.fail(
-                    f"--hf-checkpoint {checkpoint}: no installed model family matches its name "
-                    f"(installed: {', '.join(registry.names()) or 'none'}); pass --diffusion-model-family"
-                    + (f"; plugins that failed to load: {'; '.join(registry.unavailable)}" if registry.unavailable else "")
-                )
-                return
-            spec = matches[0].spec
             c.set("diffusion_model_family", spec.name, Source.DERIVED)
         if spec is not None:
             c.model_family = spec.name
@@ -275,7 +289,8 @@ class _Resolver:
     def resolve_components(self) -> None:
         c = self.config
         registries = self.host.registries
-        for kind, dest in (("loss", "loss_type"), ("sde_backend", "diffusion_sde_type"), ("reward", "rm_type")):
+        for kind, dest in (("loss", "loss_type"), ("sde_backend", "diffusion_sde_type"), ("reward", "rm_type"),
+                           ("rollout_engine", "rollout_engine")):
             name = self.v(dest)
             if name is not None and name in registries[kind]:
                 c.components[kind] = Component.from_registration(registries[kind].get(name))
@@ -336,6 +351,12 @@ class _Resolver:
             self.fail("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
         if v("lr_decay_style") == "wsd" and v("lr_wsd_decay_iters") is None:
             self.fail("--lr-decay-style wsd requires --lr-wsd-decay-iters")
+        urls = v("rollout_engine_urls")
+        if v("rollout_engine") == "http" and not urls:
+            self.fail("--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)")
+        for url in (urls or "").split(","):
+            if urls and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
+                self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")
         if v("num_rollout") is not None and v("num_epoch") is not None:
             self.config.notes.append("--num-epoch is ignored because --num-rollout is set (as in the reference)")
 
@@ -371,11 +392,67 @@ class _Resolver:
             self.fail(f"--diffusion-nft-timestep-fraction {fraction}: must be in (0, 1]")
         window = self.v("diffusion_sde_window_range")
         steps = self.v("diffusion_num_steps")
-        if window is not None and not 0 <= window[0] < window[1] <= steps:
+        if window is not None and not 0 <= window[0] < window[1] <= steps - 1:
             self.fail(
-                f"--diffusion-sde-window-range {window[0]},{window[1]}: need 0 <= lo < hi <= --diffusion-num-steps {steps}"
+                f"--diffusion-sde-window-range {window[0]},{window[1]}: need 0 <= lo < hi <= --diffusion-num-steps "
+                f"{steps} - 1 (the last step is never an SDE step)"
             )
         for dest in ("diffusion_height", "diffusion_width"):
             value = self.v(dest)
             if value is not None and value < 1:
                 self.fail(f"{self.name(dest)} {value}: must be positive")
+
+    def check_step_selection(self) -> None:
+        """The step flags against the schedule: the last step (sigma' = 0) is never an SDE
+        step, so at most ``T - 1`` steps can be, and a window or candidate list must hold
+        ``--diffusion-num-sde-steps`` of them. The window's bounds are checked in
+        :meth:`check_ranges`."""
+        steps, n = self.v("diffusion_num_steps"), self.v("diffusion_num_sde_steps")
+        if steps is None or steps < 1 or n is None or n < 0:
+            return  # already reported by check_ranges
+        if n > steps - 1:
+            self.fail(
+                f"--diffusion-num-sde-steps {n} exceeds --diffusion-num-steps {steps} - 1 "
+                "(the last step is never an SDE step)"
+            )
+            return  # no window or candidate list can hold that many
+        window = self.v("diffusion_sde_window_range")
+        if window is not None and 0 <= window[0] < window[1] <= steps - 1 and window[1] - window[0] < n:
+            self.fail(
+                f"--diffusion-sde-window-range {window[0]},{window[1]}: the window holds {window[1] - window[0]} "
+                f"step(s), fewer than --diffusion-num-sde-steps {n}"
+            )
+        candidates = self.v("diffusion_sde_candidate_steps")
+        if candidates is not None:
+            outside = [k for k in candidates if not 0 <= k < steps - 1]
+            if outside:
+                self.fail(
+                    f"--diffusion-sde-candidate-steps {','.join(map(str, outside))}: need 0 <= step < "
+                    f"--diffusion-num-steps {steps} - 1 (the last step is never an SDE step)"
+                )
+            elif len(set(candidates)) != len(candidates):
+                self.fail(f"--diffusion-sde-candidate-steps {','.join(map(str, candidates))}: a step is repeated")
+            elif len(candidates) < n:
+                self.fail(
+                    f"--diffusion-sde-candidate-steps {','.join(map(str, candidates))}: {len(candidates)} step(s), "
+                    f"fewer than --diffusion-num-sde-steps {n}"
+                )
+
+
+def training_errors(config: Config, *, host: PluginHost | None = None) -> list[str]:
+    """Rules that only a training run needs, reported by ``config`` as warnings and
+    enforced by ``train``: inspecting a configuration (``miles-core config`` with the
+    reference's defaults) stays possible while a run that could not learn is refused."""
+    host = host or get_host()
+    errors: list[str] = []
+    loss = config.get("loss_type")
+    registry = host.registries.loss
+    needs_sde = loss in registry and getattr(registry.get(loss).spec, "needs_sde_steps", False)
+    if needs_sde and config.diffusion_num_sde_steps == 0 and config.diffusion_step_strategy_path is None:
+        steps = config.diffusion_num_steps
+        errors.append(
+            f"--loss-type {loss} trains on SDE steps but --diffusion-num-sde-steps is 0 (no step would be "
+            f"trained): set it, e.g. --diffusion-num-sde-steps {max(steps - 1, 1)} (every step but the last, as "
+            f"flow_grpo trains) or 2 for a cheaper window"
+        )
+    return errors

@@ -7,9 +7,21 @@ Import-light on purpose: the core resolves this class while validating a configu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from miles_core.family import ModelFamily, read_component_config
+from miles_core.family import (
+    Conditioning,
+    GenerationParams,
+    Latents,
+    ModelFamily,
+    Schedule,
+    read_component_config,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_core.engine.request import RolloutRequest
 
 # Fallbacks mirror diffusers: SD3Transformer2DModel's default sample_size and
 # AutoencoderKL's default block_out_channels, used when a config omits the key.
@@ -21,6 +33,174 @@ class SD3Family(ModelFamily):
     """Stable Diffusion 3 / 3.5 checkpoints in the diffusers layout."""
 
     pipeline_class: ClassVar[str] = "diffusers:StableDiffusion3Pipeline"
+
+    # -- instance side: the prediction contract ---------------------------------------
+
+    max_sequence_length: ClassVar[int] = 256
+    """T5 prompt length: StableDiffusion3Pipeline.__call__'s default; a request may set
+    ``extra_sampling_params.max_sequence_length`` (the pipeline's argument of that name)."""
+    default_negative_prompt: ClassVar[str] = " "
+    """Negative prompt used when CFG is on and the request gives none. The reference
+    engine's default; diffusers itself would use ``""`` (a different encoding)."""
+
+    def components(self) -> dict[str, torch.nn.Module]:
+        return {"transformer": self.pipeline.transformer}
+
+    def resolve_params(self, request: RolloutRequest) -> GenerationParams:
+        from miles_core.engine.request import RequestError
+
+        pipe = self.pipeline
+        native = pipe.default_sample_size * pipe.vae_scale_factor  # the pipeline's own default
+        multiple = pipe.vae_scale_factor * pipe.patch_size  # StableDiffusion3Pipeline.check_inputs
+        # The transformer's positional embedding is cropped from a fixed grid: larger
+        # sizes would only fail inside the forward.
+        max_embed = pipe.transformer.config.get("pos_embed_max_size")
+        limit = None if max_embed is None else max_embed * multiple
+        sizes = {}
+        for name in ("height", "width"):
+            value = getattr(request, name)
+            value = native if value is None else value
+            if value % multiple:
+                raise RequestError(name, f"{value} must be a multiple of {multiple}")
+            if limit is not None and value > limit:
+                raise RequestError(name, f"{value} exceeds the transformer's maximum of {limit}")
+            sizes[name] = value
+        if request.num_frames not in (None, 1):
+            raise RequestError("num_frames", f"SD3 generates images (1 frame), got {request.num_frames}")
+        if request.true_cfg_scale is not None:
+            raise RequestError("true_cfg_scale", "SD3 has no true CFG; use guidance_scale")
+        extra = dict(request.extra_sampling_params)
+        unknown = sorted(set(extra) - {"max_sequence_length"})
+        if unknown:
+            raise RequestError("extra_sampling_params", f"SD3 takes only max_sequence_length, got {', '.join(unknown)}")
+        length = extra.get("max_sequence_length", self.max_sequence_length)
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= 512:
+            raise RequestError("extra_sampling_params", f"max_sequence_length must be an integer in [1, 512], got {length!r}")
+        return GenerationParams(
+            height=sizes["height"],
+            width=sizes["width"],
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=float(request.guidance_scale),
+            extra={"max_sequence_length": length} if "max_sequence_length" in extra else {},
+            # fps means nothing for an image: dropped rather than rejected, so clients
+            # that always send it keep working.
+        )
+
+    @staticmethod
+    def _cfg(params: GenerationParams) -> bool:
+        return params.guidance_scale > 1  # diffusers' do_classifier_free_guidance
+
+    def encode(self, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
+        import torch
+
+        cfg = self._cfg(params)
+        if cfg and negative_prompt is None:
+            negative_prompt = self.default_negative_prompt
+        with torch.no_grad():  # frozen text encoders; the conditioning is reused as data
+            embeds, neg_embeds, pooled, neg_pooled = self.pipeline.encode_prompt(
+                prompt=prompt,
+                prompt_2=None,
+                prompt_3=None,
+                device=self.device,
+                num_images_per_prompt=1,
+                do_classifier_free_guidance=cfg,
+                negative_prompt=negative_prompt if cfg else None,
+                max_sequence_length=params.extra.get("max_sequence_length", self.max_sequence_length),
+            )
+
+        def pack(hidden: torch.Tensor, pooled_: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {
+                "encoder_hidden_states": hidden.to(self.device, self.dtype),
+                "pooled_projections": pooled_.to(self.device, self.dtype),
+            }
+
+        return Conditioning(pack(embeds, pooled), pack(neg_embeds, neg_pooled) if cfg else None)
+
+    def _latent_shape(self, params: GenerationParams) -> tuple[int, int, int]:
+        s = self.pipeline.vae_scale_factor
+        return self.pipeline.transformer.config.in_channels, params.height // s, params.width // s
+
+    def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
+        import torch
+
+        shape = (1, *self._latent_shape(params))
+        # One draw per output from its own CPU generator: an output's noise depends only
+        # on its seed, not on the batch it is in or the device.
+        noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+        # The pipeline casts given latents to the prompt-embedding dtype (the family dtype).
+        return {"latents": torch.cat(noise).to(self.device, self.dtype)}
+
+    def schedule(self, params: GenerationParams) -> Schedule:
+        import copy
+
+        import torch
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            # As StableDiffusion3Pipeline.__call__ (note its max_shift default 1.16).
+            _, h, w = self._latent_shape(params)
+            patch = self.pipeline.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (h // patch) * (w // patch),
+                scheduler.config.get("base_image_seq_len", 256),
+                scheduler.config.get("max_image_seq_len", 4096),
+                scheduler.config.get("base_shift", 0.5),
+                scheduler.config.get("max_shift", 1.16),
+            )
+        timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
+        return Schedule(
+            timesteps=timesteps.to(self.device, torch.float32),
+            sigmas=scheduler.sigmas.to(self.device, torch.float32),
+        )
+
+    def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
+        import torch
+
+        x = latents["latents"].to(self.device, self.dtype)
+        batch = x.shape[0]
+        # Timesteps stay fp32 as the pipeline passes them (the scheduler's dtype); the
+        # transformer casts its timestep embedding itself.
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1).expand(batch)
+        pos = {k: v.to(self.device, self.dtype) for k, v in cond.positive.items()}
+        if self._cfg(params):
+            if cond.negative is None:
+                raise ValueError(f"guidance_scale {params.guidance_scale} > 1 needs a negative conditioning")
+            neg = {k: v.to(self.device, self.dtype) for k, v in cond.negative.items()}
+            # One call on [negative rows; positive rows], exactly as the pipeline batches CFG.
+            out = self.pipeline.transformer(
+                hidden_states=torch.cat([x, x]),
+                timestep=torch.cat([t, t]),
+                encoder_hidden_states=torch.cat([neg["encoder_hidden_states"], pos["encoder_hidden_states"]]),
+                pooled_projections=torch.cat([neg["pooled_projections"], pos["pooled_projections"]]),
+                return_dict=False,
+            )[0]
+            uncond, text = out.chunk(2)
+            # Combined in the transformer's dtype, as the pipeline does, then upcast.
+            v = uncond + params.guidance_scale * (text - uncond)
+        else:
+            v = self.pipeline.transformer(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=pos["encoder_hidden_states"],
+                pooled_projections=pos["pooled_projections"],
+                return_dict=False,
+            )[0]
+        return {"latents": v.float()}
+
+    def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
+        vae = self.pipeline.vae
+        # The pipeline's latents are in the family dtype when it decodes.
+        x = latents["latents"].to(self.device, self.dtype)
+        x = x / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
+        # VaeImageProcessor.postprocess(output_type="pt"): denormalize only.
+        return (image * 0.5 + 0.5).clamp(0, 1).float()
 
     @classmethod
     def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:

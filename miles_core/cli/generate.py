@@ -1,0 +1,302 @@
+"""``miles-core generate``: sample a checkpoint (optionally with a LoRA) to files, through
+the same embedded engine that serves rollouts, in evaluation mode (``rollout: false``).
+
+Prompt *p* with ``--num-outputs N`` and ``--seed S`` gives outputs seeded ``S .. S+N-1``
+(as a rollout request does), written to ``--out DIR`` as ``DIR/p{p:03d}_s{seed}.png``;
+video outputs are written as animated GIFs (``.gif``, every frame, at ``--fps``; MP4
+comes later). Each file gets a line in ``DIR/manifest.jsonl`` (``prompt_index``,
+``prompt``, ``seed``, ``file``), appended as the file is written. An existing output
+file is never overwritten: the command checks every name before loading the model and
+stops (exit status 2) naming the first that exists."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_core.cli.model_options import add_model_options, device_and_dtype, family_name
+from miles_core.config.parser import OneLineParser
+from miles_core.plugin_manager import get_host
+
+MANIFEST = "manifest.jsonl"
+REQUEST_FLAGS = {
+    "seed": "--seed",
+    "height": "--height",
+    "width": "--width",
+    "num_inference_steps": "--num-inference-steps",
+    "num_outputs_per_prompt": "--num-outputs",
+    "guidance_scale": "--guidance-scale",
+    "num_frames": "--num-frames",
+    "fps": "--fps",
+    "negative_prompt": "--negative-prompt",
+}
+
+
+class GenerateError(Exception):
+    """A one-line error for the user (exit status 2)."""
+
+
+def build_parser(families: Sequence[str] = (), prog: str = "miles-core generate") -> OneLineParser:
+    parser = OneLineParser(prog=prog, description=__doc__)
+    add_model_options(parser, families, checkpoint_help="diffusers pipeline directory or hub id")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    prompts.add_argument(
+        "--prompt-file", metavar="FILE",
+        help="prompts: FILE.jsonl (one JSON object per line, the prompt under --input-key) or FILE.txt "
+             "(one prompt per non-empty line)",
+    )
+    parser.add_argument("--input-key", default="input", metavar="KEY", help="prompt key of a .jsonl prompt file (default: input)")
+    parser.add_argument(
+        "--negative-prompt", metavar="TEXT", default=None,
+        help="negative prompt when guidance is on (default: the family's)",
+    )
+    parser.add_argument("--num-outputs", type=int, default=1, metavar="N", help="outputs per prompt (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of output 0; output i uses S+i (default: 0)")
+    parser.add_argument(
+        "--num-inference-steps", type=int, default=None, metavar="N",
+        help="denoising steps (default: the pipeline's own default)",
+    )
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None, metavar="G",
+        help="classifier-free guidance scale; 1 or less turns it off (default: the pipeline's own default)",
+    )
+    parser.add_argument("--height", type=int, default=None, metavar="H", help="default: the pipeline's native size")
+    parser.add_argument("--width", type=int, default=None, metavar="W", help="default: the pipeline's native size")
+    parser.add_argument("--num-frames", type=int, default=None, metavar="N", help="frames of a video family (default: the family's)")
+    parser.add_argument("--fps", type=float, default=None, help="frame rate of a video family, and of its GIF (default: 16 for the GIF)")
+    parser.add_argument(
+        "--lora", metavar="DIR", default=None,
+        help="a diffusers LoRA (a directory written by save_lora_weights), loaded with pipeline.load_lora_weights",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    return parser
+
+
+def run(argv: Sequence[str], prog: str = "miles-core generate") -> int:
+    registry = get_host().registries.model_family
+    parser = build_parser(registry.names(), prog)
+    args = parser.parse_args(list(argv))
+    try:
+        _generate(args, registry, prog)
+    except GenerateError as exc:
+        parser.error(str(exc))
+    return 0
+
+
+# -- before the model ----------------------------------------------------------------------
+
+
+def _resolve_family(checkpoint: str, explicit: str | None, registry: Any) -> str:
+    try:
+        return family_name(checkpoint, explicit, registry)
+    except ValueError as exc:
+        raise GenerateError(str(exc)) from None
+
+
+def _load_prompt_file(path: Path, input_key: str) -> list[tuple[str, dict]]:
+    from miles_core.rollout.data import PromptDataError, load_prompts
+
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        try:
+            return [(r.prompt, r.metadata) for r in load_prompts(path, input_key=input_key)]
+        except PromptDataError as exc:
+            raise GenerateError(f"--prompt-file {exc}") from None
+    if suffix == ".txt":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise GenerateError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise GenerateError(f"--prompt-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        prompts = [(line.strip(), {}) for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise GenerateError(f"--prompt-file {path}: no prompts (empty file)")
+        return prompts
+    raise GenerateError(f"--prompt-file {path}: expected a .jsonl or .txt file")
+
+
+def _pipeline_default(pipeline_class: type, name: str, fallback: Any) -> Any:
+    """A keyword default of the pipeline's ``__call__`` (what diffusers would use)."""
+    try:
+        parameter = inspect.signature(pipeline_class.__call__).parameters.get(name)
+    except (TypeError, ValueError):
+        return fallback
+    if parameter is None or parameter.default is inspect.Parameter.empty or parameter.default is None:
+        return fallback
+    return parameter.default
+
+
+def _request_error(exc: Exception) -> GenerateError:
+    field = getattr(exc, "field", None)
+    flag = REQUEST_FLAGS.get(field or "", field)
+    message = str(exc).split(": ", 1)[1] if field and str(exc).startswith(f"{field}: ") else str(exc)
+    return GenerateError(f"{flag} {message}" if flag else message)
+
+
+def _generate(args: Any, registry: Any, prog: str) -> None:
+    from miles_core.engine.request import RequestError, RolloutRequest
+
+    if args.num_outputs < 1:
+        raise GenerateError(f"--num-outputs {args.num_outputs}: must be at least 1")
+    if args.num_inference_steps is not None and args.num_inference_steps < 1:
+        raise GenerateError(f"--num-inference-steps {args.num_inference_steps}: must be at least 1")
+    if args.fps is not None and not (math.isfinite(args.fps) and args.fps > 0):
+        raise GenerateError(f"--fps {args.fps}: must be a positive number")
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise GenerateError("--prompt: must not be empty")
+        prompts = [(args.prompt, {})]
+    else:
+        prompts = _load_prompt_file(Path(args.prompt_file), args.input_key)
+    if args.lora is not None and not Path(args.lora).exists():
+        raise GenerateError(f"--lora {args.lora}: no such file or directory")
+    family_name = _resolve_family(args.hf_checkpoint, args.diffusion_model_family, registry)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out {out}: exists and is not a directory")
+
+    requests = []
+    for index, (prompt, _) in enumerate(prompts):
+        request = RolloutRequest(
+            prompt=prompt,
+            negative_prompt=args.negative_prompt,
+            seed=args.seed,
+            width=args.width,
+            height=args.height,
+            num_inference_steps=args.num_inference_steps or 1,  # the real default is filled in below
+            num_outputs_per_prompt=args.num_outputs,
+            guidance_scale=args.guidance_scale if args.guidance_scale is not None else 0.0,
+            num_frames=args.num_frames,
+            fps=args.fps,
+            rollout=False,
+            request_id=f"generate-p{index:03d}",
+        )
+        try:
+            request.validate()
+        except RequestError as exc:
+            raise _request_error(exc) from None
+        requests.append(request)
+
+    # Every name is checked before the model loads; files are also created exclusively, so
+    # a file that appears meanwhile is not overwritten either.
+    for index in range(len(prompts)):
+        for i in range(args.num_outputs):
+            for suffix in (".png", ".gif"):
+                path = out / _file_name(index, args.seed + i, suffix)
+                if path.exists():
+                    raise GenerateError(
+                        f"--out {out}: {path.name} exists; refusing to overwrite it (choose another --out or --seed)"
+                    )
+
+
+    from miles_core.quiet import quiet_hub_libraries
+    from miles_core.engine.embedded import EmbeddedEngine
+
+    quiet_hub_libraries()
+    family_cls = registry.get(family_name).load()
+    pipeline_class = family_cls.resolve_pipeline_class()
+    steps = args.num_inference_steps or int(_pipeline_default(pipeline_class, "num_inference_steps", 28))
+    guidance = args.guidance_scale if args.guidance_scale is not None else float(
+        _pipeline_default(pipeline_class, "guidance_scale", 4.0)
+    )
+    if args.lora is not None and not hasattr(pipeline_class, "load_lora_weights"):
+        raise GenerateError(
+            f"--lora {args.lora}: the {family_name} family's pipeline ({pipeline_class.__name__}) has no LoRA loader "
+            "(load_lora_weights)"
+        )
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    try:
+        engine = EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family_name, device=device, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - any load failure is the user's checkpoint or device
+        raise GenerateError(f"--hf-checkpoint {args.hf_checkpoint}: cannot load it as {family_name}: {_first_line(exc)}") from None
+    pipeline = engine.family.pipeline
+    if hasattr(pipeline, "set_progress_bar_config"):
+        pipeline.set_progress_bar_config(disable=True)
+    if args.lora is not None:
+        try:
+            pipeline.load_lora_weights(args.lora)
+        except Exception as exc:  # noqa: BLE001 - a bad LoRA directory or mismatched modules
+            raise GenerateError(f"--lora {args.lora}: cannot load it into the {family_name} pipeline: {_first_line(exc)}") from None
+
+    from dataclasses import replace
+
+    requests = [replace(r, num_inference_steps=steps, guidance_scale=guidance) for r in requests]
+    try:
+        for request in requests:
+            request.validate()
+            engine.family.resolve_params(request)  # the model's own size rules, before any output
+    except RequestError as exc:
+        raise _request_error(exc) from None
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for index, ((prompt, metadata), request) in enumerate(zip(prompts, requests)):
+        outputs = engine.generate_sync(request)
+        for output in outputs:
+            name = _write(out, index, output.seed, output.generated_output, args.fps)
+            row = {"prompt_index": index, "prompt": prompt, "seed": output.seed, "file": name}
+            if metadata:
+                row["metadata"] = metadata
+            with (out / MANIFEST).open("a", encoding="utf-8") as manifest:
+                manifest.write(json.dumps(row, ensure_ascii=False) + "\n")
+            written += 1
+            if output.extra_outputs and written == 1:
+                print(
+                    f"{prog}: note: {', '.join(sorted(output.extra_outputs))} output(s) are not written yet",
+                    file=sys.stderr,
+                )
+    lora = f" with LoRA {args.lora}" if args.lora else ""
+    print(f"wrote {written} file(s) from {family_name} {args.hf_checkpoint}{lora} to {out} (see {out / MANIFEST})", file=sys.stderr)
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def _file_name(prompt_index: int, seed: int, suffix: str) -> str:
+    return f"p{prompt_index:03d}_s{seed}{suffix}"
+
+
+def _to_pil(pixels: Any) -> Any:
+    """``[C, H, W]`` in [0, 1] to a PIL image, rounded as diffusers' ``numpy_to_pil``."""
+    import torch
+    from PIL import Image
+
+    array = (pixels.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+    array = array.permute(1, 2, 0).numpy()
+    if array.shape[2] == 1:
+        return Image.fromarray(array[:, :, 0], mode="L")
+    return Image.fromarray(array)
+
+
+def _write(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | None) -> str:
+    if pixels.ndim == 3:
+        name = _file_name(prompt_index, seed, ".png")
+        image, extra = _to_pil(pixels), {"format": "PNG"}
+    elif pixels.ndim == 4:  # [C, F, H, W]
+        name = _file_name(prompt_index, seed, ".gif")
+        frames = [_to_pil(pixels[:, f]) for f in range(pixels.shape[1])]
+        image = frames[0]
+        extra = {
+            "format": "GIF", "save_all": True, "append_images": frames[1:], "loop": 0,
+            "duration": max(1, round(1000 / (fps or 16))),
+        }
+    else:
+        raise GenerateError(f"the family returned an output of shape {tuple(pixels.shape)}; expected [C,H,W] or [C,F,H,W]")
+    try:
+        with (out / name).open("xb") as handle:
+            image.save(handle, **extra)
+    except FileExistsError:
+        raise GenerateError(f"--out {out}: {name} exists; refusing to overwrite it") from None
+    return name
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,1 @@
+"""Rollout engines: the ``POST /rollout/generate`` contract, the sampler, and engines."""

@@ -1,0 +1,33 @@
+"""The engine interface the trainer-side rollout talks to.
+
+Every engine speaks the ``/rollout/generate`` contract, in process or over HTTP, so the
+rollout code is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+from miles_core.engine.request import RolloutOutput, RolloutRequest
+
+
+class RolloutEngine(abc.ABC):
+    """A rollout engine: generation, health, weight updates, checksums."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, config: Any) -> RolloutEngine:
+        """Build the engine a resolved configuration asks for (``--rollout-engine``)."""
+
+    @abc.abstractmethod
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        """Run one request (one prompt, ``num_outputs_per_prompt`` outputs) off the
+        caller's event loop; return one record per output."""
+
+    @abc.abstractmethod
+    async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:
+        """One SHA-256 per named module (see :func:`miles_core.weights.module_checksum`)."""
+
+    async def close(self) -> None:
+        """Release the engine's resources."""

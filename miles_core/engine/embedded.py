@@ -1,0 +1,121 @@
+"""The embedded engine: the family's diffusers pipeline in the trainer's process.
+
+Generation runs in a worker thread so the event loop stays responsive (a caller can
+score one microgroup while others generate); one request runs at a time, since the
+model is shared. Weight updates from the trainer need no serialization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from miles_core.engine.base import RolloutEngine
+from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
+from miles_core.engine.sampler import sample
+from miles_core.family import ModelFamily
+from miles_core.sde import SdeBackend
+from miles_core.weights import WeightUpdateError, load_component_from_disk, load_named_tensors, module_checksum
+
+
+def installed_backends(extra: Mapping[str, type[SdeBackend]] | None = None) -> dict[str, type[SdeBackend]]:
+    """The registered SDE backends by name (plus one-off classes, e.g. from
+    ``--sde-step-backend-path``)."""
+    from miles_core.plugin_manager import get_host
+
+    backends = {reg.name: reg.load() for reg in get_host().registries.sde_backend}
+    backends.update(extra or {})
+    return backends
+
+
+class EmbeddedEngine(RolloutEngine):
+    def __init__(self, family: ModelFamily, *, backends: Mapping[str, type[SdeBackend]] | None = None) -> None:
+        self.family = family
+        self.backends = dict(backends) if backends is not None else installed_backends()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint: str | Path,
+        family: str,
+        *,
+        device: Any = "cpu",
+        dtype: torch.dtype | None = None,
+        backends: Mapping[str, type[SdeBackend]] | None = None,
+    ) -> EmbeddedEngine:
+        """Load ``checkpoint`` with the registered family ``family``."""
+        from miles_core.plugin_manager import get_host
+
+        family_cls = get_host().registries.model_family.get(family).load()
+        return cls(family_cls.from_pretrained(checkpoint, device=device, dtype=dtype), backends=backends)
+
+    @classmethod
+    def from_config(cls, config: Any) -> EmbeddedEngine:
+        """The checkpoint and family of the configuration, on the machine's device
+        (``--diffusion-generator-device``) in ``--diffusion-forward-dtype``; a
+        ``--sde-step-backend-path`` class is served under that path as its name."""
+        from miles_core.refs import resolve_path_flag
+
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        extra = {}
+        if config.sde_step_backend_path:
+            extra[config.sde_step_backend_path] = resolve_path_flag(
+                "--sde-step-backend-path", config.sde_step_backend_path, "sde_backend"
+            )
+        return cls.from_checkpoint(
+            config.hf_checkpoint, config.model_family, device=config.diffusion_generator_device,
+            dtype=dtypes[config.diffusion_forward_dtype], backends=installed_backends(extra),
+        )
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate_sync(self, request: RolloutRequest) -> list[RolloutOutput]:
+        request = request.with_request_id()
+        with self._lock:
+            return sample(self.family, request, self.backends)
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        return await asyncio.to_thread(self.generate_sync, request)
+
+    # -- weights ---------------------------------------------------------------------
+
+    def component(self, name: str) -> torch.nn.Module:
+        components = self.family.components()
+        if name not in components:
+            raise WeightUpdateError(f"unknown module {name!r}; this engine has {', '.join(components)}")
+        return components[name]
+
+    def update_weights_from_disk(self, model_path: str | Path, module_names: Sequence[str] | None = None) -> dict[str, int]:
+        """Load each trainable component's folder of a diffusers directory (``model_path/transformer``...)."""
+        root = Path(model_path)
+        if not root.is_dir():
+            raise WeightUpdateError(f"model_path {model_path}: not a directory")
+        names = list(module_names) if module_names else list(self.family.components())
+        loaded = {}
+        with self._lock:
+            for name in names:
+                folder = root / name
+                if not folder.is_dir() and any(root.glob("*.safetensors")):
+                    folder = root  # a flat folder of one module's weights, as sglang-diffusion accepts
+                loaded[name] = load_component_from_disk(self.component(name), folder, module_name=name)
+        return loaded
+
+    def update_weights_from_tensors(self, module_name: str, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy named tensors (full weights or LoRA ``lora_A``/``lora_B``) into a module."""
+        with self._lock:
+            return load_named_tensors(self.component(module_name), tensors, module_name=module_name)
+
+    def weights_checksum_sync(self, module_names: Iterable[str]) -> dict[str, str]:
+        with self._lock:
+            return {name: module_checksum(self.component(name)) for name in module_names}
+
+    async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:
+        return await asyncio.to_thread(self.weights_checksum_sync, list(module_names))
+
+
+__all__ = ["EmbeddedEngine", "RequestError", "installed_backends"]

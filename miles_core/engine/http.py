@@ -1,0 +1,268 @@
+"""The ``http`` engine: a client for servers speaking the ``/rollout/generate`` contract
+(``miles-core serve-engine``, or sglang-diffusion for generation, disk updates and checksums).
+
+Requests go to the base URL with the fewest requests in flight (ties: the least recently
+chosen), at most ``max_concurrency`` at a time per URL (``--sglang-server-concurrency``).
+Response bodies are decoded off the event loop. Weight updates and checksum requests go to
+every URL. A failed request raises :class:`EngineRequestError` naming the URL, the HTTP
+status and the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import aiohttp
+import msgpack
+import torch
+
+from miles_core.engine.base import RolloutEngine
+from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.engine.wire import WireError, unpack_outputs
+from miles_core.weights import bucket_to_bytes, iter_buckets
+
+DEFAULT_CONCURRENCY = 512
+"""``--sglang-server-concurrency``'s default."""
+
+
+class EngineRequestError(RuntimeError):
+    """A request an engine server refused or failed (``status`` None: no HTTP answer)."""
+
+    def __init__(self, url: str, status: int | None, message: str) -> None:
+        self.url = url
+        self.status = status
+        self.message = message
+        where = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"{url}: {where}: {message}")
+
+
+class WeightsMismatchError(RuntimeError):
+    """Servers behind one engine report different weights for a module."""
+
+
+class HttpEngine(RolloutEngine):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        max_concurrency: int = DEFAULT_CONCURRENCY,
+        request_timeout: float | None = None,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [u for u in urls.split(",") if u.strip()]
+        self.urls = [u.strip().rstrip("/") for u in urls]
+        if not self.urls:
+            raise ValueError("HttpEngine needs at least one base URL")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http:// or https:// base URL")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
+        # Per URL slot (a URL may be listed twice: two routes to one server).
+        self.in_flight = [0] * len(self.urls)
+        self.sent = [0] * len(self.urls)
+        self._semaphores = [asyncio.Semaphore(max_concurrency) for _ in self.urls]
+        self._tick = itertools.count()
+        self._last_pick = [-1] * len(self.urls)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> HttpEngine:
+        return cls(config.rollout_engine_urls, max_concurrency=config.sglang_server_concurrency)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # A session and semaphores belong to one event loop; start afresh on another.
+            self._loop = loop
+            self._session = None
+            self._semaphores = [asyncio.Semaphore(self.max_concurrency) for _ in self.urls]
+        if self._session is None or self._session.closed:
+            # The semaphores bound concurrency; the connector must not add a lower cap.
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        return self._session
+
+    def _pick(self) -> int:
+        index = min(range(len(self.urls)), key=lambda i: (self.in_flight[i], self._last_pick[i]))
+        self._last_pick[index] = next(self._tick)
+        return index
+
+    async def _post(self, url: str, path: str, *, json_body: Any = None, data: bytes | None = None,
+                    content_type: str | None = None) -> tuple[int, bytes, str]:
+        headers = {"Content-Type": content_type} if content_type else None
+        try:
+            async with self._client().post(url + path, json=json_body, data=data, headers=headers) as response:
+                return response.status, await response.read(), response.content_type
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise EngineRequestError(url + path, None, f"{type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _message(body: bytes) -> str:
+        text = body.decode("utf-8", "replace")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return text.strip()[:2000] or "(empty body)"
+        if isinstance(data, dict):
+            for key in ("error", "detail", "message"):
+                if data.get(key):
+                    return str(data[key])
+        return text.strip()[:2000]
+
+    def _check(self, url: str, status: int, body: bytes) -> None:
+        if status != 200:
+            raise EngineRequestError(url, status, self._message(body))
+
+    async def _post_json_all(self, path: str, body: Any) -> list[Any]:
+        async def one(url: str) -> Any:
+            status, raw, _ = await self._post(url, path, json_body=body)
+            self._check(url + path, status, raw)
+            return json.loads(raw) if raw else None
+
+        return list(await asyncio.gather(*(one(url) for url in self._distinct_urls())))
+
+    def _distinct_urls(self) -> list[str]:
+        return list(dict.fromkeys(self.urls))
+
+    # -- the engine interface -------------------------------------------------------------
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        self._client()
+        index = self._pick()
+        url = self.urls[index]
+        self.in_flight[index] += 1
+        try:
+            async with self._semaphores[index]:
+                self.sent[index] += 1
+                status, raw, _ = await self._post(url, "/rollout/generate", json_body=request.to_json())
+        finally:
+            self.in_flight[index] -= 1
+        self._check(url + "/rollout/generate", status, raw)
+        try:
+            return await asyncio.to_thread(unpack_outputs, raw)
+        except WireError as exc:
+            raise EngineRequestError(url + "/rollout/generate", status, f"undecodable response: {exc}") from exc
+
+    async def health(self) -> dict[str, int | None]:
+        """The status of ``GET /health`` per URL (None: no answer)."""
+
+        async def one(url: str) -> int | None:
+            try:
+                async with self._client().get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    await response.read()
+                    return response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None
+
+        urls = self._distinct_urls()
+        return dict(zip(urls, await asyncio.gather(*(one(url) for url in urls))))
+
+    async def wait_until_healthy(self, timeout: float = 300.0, interval: float = 0.2) -> None:
+        """Poll ``GET /health`` until every URL answers 200; ``TimeoutError`` after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            statuses = await self.health()
+            waiting = {url: status for url, status in statuses.items() if status != 200}
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                detail = ", ".join(f"{url} ({'no answer' if s is None else f'HTTP {s}'})" for url, s in waiting.items())
+                raise TimeoutError(f"engine servers not healthy after {timeout:g} s: {detail}")
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, target_modules: Sequence[str] | None = None, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        """Every server loads ``model_path`` (a diffusers directory, or one module's flat
+        folder); returns each server's answer by URL."""
+        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache}
+        if target_modules is not None:
+            body["target_modules"] = list(target_modules)
+        answers = await self._post_json_all("/update_weights_from_disk", body)
+        for url, answer in zip(self._distinct_urls(), answers):
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise EngineRequestError(url + "/update_weights_from_disk", 200, str(answer.get("message")))
+        return dict(zip(self._distinct_urls(), answers))
+
+    async def update_weights_from_tensors(
+        self,
+        module_name: str,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        buffer_size: int,
+        lora_only: bool = False,
+    ) -> int:
+        """Send tensors to every server as safetensors buckets of at most ``buffer_size``
+        bytes (one request per bucket); returns the number of tensors sent. LoRA-only
+        updates carry only ``lora_A``/``lora_B`` tensors."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        count = 0
+        for bucket in iter_buckets(items, buffer_size):
+            if lora_only:
+                other = [n for n in bucket if "lora_A" not in n and "lora_B" not in n]
+                if other:
+                    raise ValueError(f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
+            payload = await asyncio.to_thread(_bucket_payload, module_name, bucket, lora_only)
+            await asyncio.gather(*(self._send_bucket(url, payload) for url in self._distinct_urls()))
+            count += len(bucket)
+        return count
+
+    async def _send_bucket(self, url: str, payload: bytes) -> None:
+        path = "/update_weights_from_tensor"
+        status, raw, _ = await self._post(url, path, data=payload, content_type="application/msgpack")
+        self._check(url + path, status, raw)
+
+    async def weights_checksums(self, module_names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
+        """Each server's ``{module: sha256}``, by URL (``None``: every module)."""
+        body = {"module_names": None if module_names is None else list(module_names)}
+        answers = await self._post_json_all("/get_weights_checksum", body)
+        result = {}
+        for url, answer in zip(self._distinct_urls(), answers):
+            if not isinstance(answer, dict):
+                raise EngineRequestError(url + "/get_weights_checksum", 200, f"expected a JSON object, got {answer!r}")
+            missing = [name for name, value in answer.items() if value == "not_found"]  # sglang-diffusion's answer
+            if missing:
+                raise EngineRequestError(url + "/get_weights_checksum", 200, f"module_names: unknown module {missing[0]!r}")
+            result[url] = answer
+        return result
+
+    async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:
+        """One SHA-256 per module; raises :class:`WeightsMismatchError` when servers disagree."""
+        by_url = await self.weights_checksums(module_names)
+        first_url, first = next(iter(by_url.items()))
+        for url, answer in by_url.items():
+            differing = sorted(name for name in set(first) | set(answer) if first.get(name) != answer.get(name))
+            if differing:
+                raise WeightsMismatchError(f"{url} and {first_url} hold different weights for {', '.join(differing)}")
+        return first
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> HttpEngine:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def _bucket_payload(module_name: str, bucket: Mapping[str, torch.Tensor], lora_only: bool) -> bytes:
+    return msgpack.packb(
+        {"target_module": module_name, "bucket": bucket_to_bytes(bucket), "lora_only": lora_only}, use_bin_type=True
+    )
+
+
+__all__ = ["DEFAULT_CONCURRENCY", "EngineRequestError", "HttpEngine", "WeightsMismatchError"]

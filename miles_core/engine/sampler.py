@@ -1,0 +1,193 @@
+"""The sampling loop behind ``/rollout/generate``, generic over model families.
+
+One conditioning encode per request; all ``num_outputs_per_prompt`` outputs denoised as
+one batch (or one at a time for families whose forward has no batch dimension). Output
+*i* owns a CPU generator seeded ``seed + i`` that draws its initial noise and then the
+noise of each of its SDE steps, so an output does not depend on which other outputs
+share its batch. Steps run through the same :mod:`miles_core.sde` code the trainer uses
+to recompute log-probabilities.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
+from miles_core.family import Conditioning, GenerationParams, Latents, ModelFamily, Schedule
+from miles_core.sde import OdeBackend, SdeBackend, StreamStep, score_streams, step_streams
+
+
+def sample(
+    family: ModelFamily,
+    request: RolloutRequest,
+    backends: Mapping[str, type[SdeBackend]],
+) -> list[RolloutOutput]:
+    """Run one request; return one record per output."""
+    start = time.perf_counter()
+    if request.rollout_sde_type not in backends:
+        raise RequestError(
+            "rollout_sde_type", f"{request.rollout_sde_type!r} is not an installed backend ({', '.join(sorted(backends))})"
+        )
+    params = family.resolve_params(request)
+    schedule = family.schedule(params)
+    steps = int(schedule.timesteps.shape[0])
+    if steps != request.num_inference_steps:
+        raise RuntimeError(f"{type(family).__name__}.schedule gave {steps} steps, asked for {request.num_inference_steps}")
+    stochastic = backends[request.rollout_sde_type](
+        noise_level=request.rollout_noise_level, log_prob_no_const=request.rollout_log_prob_no_const
+    )
+    deterministic = OdeBackend(noise_level=0.0)
+    with torch.no_grad():
+        cond = family.encode(request.prompt, request.negative_prompt, params)
+        count = request.num_outputs_per_prompt
+        generators = [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(count)]
+        batches = [list(range(count))] if family.batched_outputs else [[i] for i in range(count)]
+        records: list[RolloutOutput] = []
+        for rows in batches:
+            records += _denoise(
+                family, request, params, schedule, cond.expand(len(rows)), [generators[i] for i in rows],
+                [request.seed + i for i in rows], stochastic, deterministic,
+            )
+    elapsed = time.perf_counter() - start
+    peak = _peak_memory_mb(family.device)
+    for record in records:
+        record.inference_time_s = elapsed
+        record.peak_memory_mb = peak
+    return records
+
+
+def _denoise(
+    family: ModelFamily,
+    request: RolloutRequest,
+    params: GenerationParams,
+    schedule: Schedule,
+    cond: Conditioning,
+    generators: Sequence[torch.Generator],
+    seeds: Sequence[int],
+    stochastic: SdeBackend,
+    deterministic: SdeBackend,
+) -> list[RolloutOutput]:
+    batch = len(generators)
+    sigmas = schedule.sigmas.to(torch.float32).cpu()
+    steps = int(schedule.timesteps.shape[0])
+    sigma_max = float(sigmas[1]) if steps > 1 else float(sigmas[0])
+    sde_steps = set(request.sde_steps())
+    want_trajectory = request.rollout and request.rollout_return_dit_trajectory
+    return_steps = set(request.return_steps()) if want_trajectory else set()
+    debug = request.rollout and request.rollout_debug_mode
+
+    latents = family.initial_latents(params, generators)
+    trajectory: dict[int, Latents] = {0: latents} if 0 in return_steps else {}
+    log_probs = torch.zeros(batch, steps, dtype=torch.float32)
+    records: dict[str, list[torch.Tensor]] = {"noise": [], "mean": [], "std": [], "velocity": []}
+    fallbacks = 0
+    for k in range(steps):
+        timestep = schedule.timesteps[k].expand(batch).to(family.device)
+        velocity = family.predict(latents, timestep, cond, params)
+        is_sde = k in sde_steps
+        noise = _draw_noise(latents, generators) if is_sde else None
+        result: StreamStep = step_streams(
+            stochastic if is_sde else deterministic, latents, velocity, float(sigmas[k]), float(sigmas[k + 1]),
+            sigma_max=sigma_max, noise=noise, step_index=k,
+        )
+        next_latents = {name: tensor.to(family.dtype) for name, tensor in result.prev_sample.items()}
+        if is_sde and family.dtype != torch.float32:
+            # The trajectory keeps x' in the model dtype: score that rounded value, which
+            # is what the trainer will see, not the fp32 draw.
+            result.log_prob = score_streams(
+                stochastic, next_latents, latents, velocity, float(sigmas[k]), float(sigmas[k + 1]),
+                sigma_max=sigma_max, step_index=k,
+            ).log_prob
+        fallbacks += result.fallback_count
+        if is_sde:
+            log_probs[:, k] = result.log_prob.float().cpu()
+        if debug:
+            primary = family.latent_streams[0]
+            records["noise"].append(noise[primary] if noise else torch.zeros_like(latents[primary], dtype=torch.float32))
+            records["mean"].append(result.mean[primary])
+            records["std"].append(result.std[primary].reshape(batch))
+            records["velocity"].append(velocity[primary].float())
+        latents = next_latents
+        if k + 1 in return_steps:
+            trajectory[k + 1] = latents
+    pixels = family.decode(latents, params)
+    extra = family.extra_outputs(latents, params)
+    outputs = []
+    for i in range(batch):
+        output = RolloutOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            seed=seeds[i],
+            generated_output=pixels[i].float().cpu(),
+            extra_outputs={name: value[i].float().cpu() for name, value in extra.items()},
+            log_prob_fallbacks=fallbacks,
+        )
+        if request.rollout:
+            output.rollout_log_probs = log_probs[i].clone()
+        if want_trajectory:
+            indices = sorted(trajectory)
+            output.dit_trajectory = {
+                name: torch.stack([trajectory[j][name][i].float().cpu() for j in indices])
+                for name in family.latent_streams
+            }
+            output.dit_trajectory.update(
+                timesteps=schedule.timesteps.float().cpu(),
+                sigmas=sigmas.clone(),
+                step_indices=torch.tensor(indices, dtype=torch.int64),
+                sde_step_indices=torch.tensor(sorted(sde_steps), dtype=torch.int64),
+            )
+        if request.rollout and request.rollout_return_denoising_env:
+            output.denoising_env = _denoising_env(cond, params, i)
+        if debug:
+            output.rollout_debug_tensors = {
+                "rollout_variance_noises": torch.stack([t[i].float().cpu() for t in records["noise"]]),
+                "rollout_prev_sample_means": torch.stack([t[i].float().cpu() for t in records["mean"]]),
+                "rollout_noise_std_devs": torch.stack([t[i].float().cpu() for t in records["std"]]),
+                "rollout_model_outputs": torch.stack([t[i].float().cpu() for t in records["velocity"]]),
+                "rollout_log_prob_fallbacks": torch.tensor(fallbacks, dtype=torch.int64),
+            }
+        outputs.append(output)
+    return outputs
+
+
+def _draw_noise(latents: Latents, generators: Sequence[torch.Generator]) -> Latents:
+    # Per output and per stream, from that output's own generator, on the CPU in fp32:
+    # the draw does not depend on the batch an output shares or on the device.
+    noise: Latents = {}
+    for name, tensor in latents.items():
+        rows = [torch.randn(tensor.shape[1:], generator=g, dtype=torch.float32) for g in generators]
+        noise[name] = torch.stack(rows).to(tensor.device)
+    return noise
+
+
+def _denoising_env(cond: Conditioning, params: GenerationParams, i: int) -> dict:
+    def row(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        return None if tensors is None else {k: v[i].float().cpu() for k, v in tensors.items()}
+
+    image_kwargs = {"height": params.height, "width": params.width}
+    if params.num_frames is not None:
+        image_kwargs["num_frames"] = params.num_frames
+    if params.fps is not None:
+        image_kwargs["fps"] = params.fps
+    guidance = {"guidance_scale": params.guidance_scale, **dict(params.extra)}
+    if params.true_cfg_scale is not None:
+        guidance["true_cfg_scale"] = params.true_cfg_scale
+    return {
+        "image_kwargs": image_kwargs,
+        "pos_cond_kwargs": row(cond.positive),
+        "neg_cond_kwargs": row(cond.negative),
+        "guidance": guidance,
+    }
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in kilobytes on Linux and bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)

@@ -1,0 +1,313 @@
+"""An HTTP server for one :class:`EmbeddedEngine`, speaking sglang-diffusion's contract.
+
+Routes (DESIGN section 5):
+
+- ``POST /rollout/generate``: a JSON :class:`RolloutRequest`; answers ``application/msgpack``,
+  a list with one record per output (tensors as ``{"__tensor__": true, ...}`` records).
+- ``GET /health``: 503 while the model loads (the server listens first and loads in a
+  background thread, so a client can wait for it), 200 once it is ready.
+- ``POST /update_weights_from_disk``: ``{"model_path": DIR, "target_modules": [...] | null,
+  "flush_cache": bool}`` as sglang-diffusion takes it; answers ``{"success", "message"}``.
+- ``POST /update_weights_from_tensor``: our CUDA-IPC-free format, an ``application/msgpack``
+  body ``{"target_module": NAME, "bucket": <safetensors bytes>, "lora_only": bool}``, one
+  request per bucket of at most ``--update-weight-buffer-size`` bytes.
+- ``POST /get_weights_checksum``: ``{"module_names": [...] | null}``; answers
+  ``{name: sha256}`` as sglang-diffusion does (see :func:`miles_core.weights.module_checksum`).
+
+A malformed or out-of-range request answers 400 with ``{"error": "<field>: <message>"}``;
+an unexpected failure answers 500 with the message. Either way the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgpack
+from aiohttp import web
+
+from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.engine.wire import pack_outputs
+from miles_core.weights import WeightUpdateError, bucket_from_bytes
+
+log = logging.getLogger(__name__)
+
+def _flag_default(name: str) -> Any:
+    from miles_core.config.reference_flags import FLAGS
+
+    return next(flag.default for flag in FLAGS if flag.name == name)
+
+
+DEFAULT_BUFFER_SIZE: int = _flag_default("--update-weight-buffer-size")
+"""``--update-weight-buffer-size``'s default (512 MiB)."""
+
+LORA_MARKERS = ("lora_A", "lora_B")
+
+
+class BadRequest(Exception):
+    """A request the server refuses: answered with ``status`` and ``field: message``."""
+
+    def __init__(self, field_name: str, message: str, status: int = 400) -> None:
+        self.field = field_name
+        self.status = status
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass
+class EngineState:
+    """What the routes share: the engine once loaded, or why loading failed."""
+
+    loader: Callable[[], EmbeddedEngine]
+    engine: EmbeddedEngine | None = None
+    error: BaseException | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    on_load_error: Callable[[BaseException], None] | None = None
+    thread: threading.Thread | None = None
+
+    def load(self) -> None:
+        try:
+            self.engine = self.loader()
+        except BaseException as exc:  # reported through /health and on_load_error
+            log.exception("loading the engine failed")
+            self.error = exc
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+        finally:
+            self.ready.set()
+
+    def require(self) -> EmbeddedEngine:
+        if self.engine is not None:
+            return self.engine
+        if self.error is not None:
+            raise BadRequest("engine", f"failed to load: {self.error}", status=503)
+        raise BadRequest("engine", "the model is still loading; wait for GET /health to answer 200", status=503)
+
+
+STATE = web.AppKey("engine_state", EngineState)
+
+
+def create_app(
+    engine: EmbeddedEngine | Callable[[], EmbeddedEngine],
+    *,
+    update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
+    max_request_bytes: int | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> web.Application:
+    """The application. ``engine`` is an engine, or a loader called in a background
+    thread when the application starts (``/health`` answers 503 until it returns).
+
+    Request bodies are capped at ``max_request_bytes`` (default: twice the weight-update
+    buffer size plus 16 MiB, so one bucket always fits; a single tensor larger than that
+    is refused with 413)."""
+    loader = (lambda: engine) if isinstance(engine, EmbeddedEngine) else engine
+    if max_request_bytes is None:
+        max_request_bytes = 2 * update_weight_buffer_size + 16 * 1024**2
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors])
+    app[STATE] = EngineState(loader, on_load_error=on_load_error)
+    app.on_startup.append(_start_loading)
+    app.add_routes([
+        web.get("/health", _health),
+        web.post("/rollout/generate", _generate),
+        web.post("/update_weights_from_disk", _update_from_disk),
+        web.post("/update_weights_from_tensor", _update_from_tensor),
+        web.post("/get_weights_checksum", _checksum),
+    ])
+    return app
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Listen on ``host:port`` (0: a free port) and return the running server; the
+    engine loader starts at the same time."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    addresses = runner.addresses
+    return RunningServer(runner, host, addresses[0][1] if addresses else port)
+
+
+# -- plumbing ---------------------------------------------------------------------------
+
+
+async def _start_loading(app: web.Application) -> None:
+    state = app[STATE]
+    state.thread = threading.Thread(target=state.load, name="engine-loader", daemon=True)
+    state.thread.start()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(exc.status, str(exc))
+    except RequestError as exc:
+        return _error(400, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, f"body: larger than the server's limit ({exc.text or exc.reason}); "
+                           "lower --update-weight-buffer-size on the client or raise it on the server")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise BadRequest("body", "empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest("body", f"not valid JSON ({exc})") from None
+
+
+def _json_object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise BadRequest("body", f"must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _module_names(engine: EmbeddedEngine, value: Any, field_name: str) -> list[str]:
+    """A list of the engine's module names; None or ["all"]: all of them."""
+    components = list(engine.family.components())
+    if value is None or value == ["all"]:
+        return components
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(field_name, f"must be a list of module names, got {value!r}")
+    unknown = [name for name in value if name not in components]
+    if unknown:
+        raise BadRequest(field_name, f"unknown module {unknown[0]!r}; this engine has {', '.join(components)}")
+    return value
+
+
+# -- routes -----------------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine is not None:
+        return web.json_response({"status": "ok"})
+    if state.error is not None:
+        return web.json_response({"status": "failed", "error": f"engine: failed to load: {state.error}"}, status=503)
+    return web.json_response({"status": "loading"}, status=503)
+
+
+async def _generate(request: web.Request) -> web.Response:
+    engine = request.app[STATE].require()
+    rollout_request = RolloutRequest.from_json(await _json_body(request))
+    outputs = await engine.generate(rollout_request)
+    body = await asyncio.to_thread(pack_outputs, outputs)
+    return web.Response(body=body, content_type="application/msgpack")
+
+
+async def _update_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[STATE].require()
+    body = _json_object(await _json_body(request))
+    model_path = body.get("model_path")
+    if not model_path:
+        raise BadRequest("model_path", "is required")
+    if not isinstance(model_path, str):
+        raise BadRequest("model_path", f"must be a string, got {model_path!r}")
+    flush_cache = body.get("flush_cache", True)
+    if not isinstance(flush_cache, bool):
+        raise BadRequest("flush_cache", f"must be true or false, got {flush_cache!r}")
+    names = _module_names(engine, body.get("target_modules"), "target_modules")
+    try:
+        loaded = await asyncio.to_thread(engine.update_weights_from_disk, model_path, names)
+    except WeightUpdateError as exc:
+        raise BadRequest("model_path", str(exc)) from None
+    message = f"Updated {len(loaded)} modules ({', '.join(loaded)})."
+    return web.json_response({"success": True, "message": message, "loaded": loaded})
+
+
+async def _update_from_tensor(request: web.Request) -> web.Response:
+    engine = request.app[STATE].require()
+    if request.content_type == "application/json":
+        raise BadRequest(
+            "body", "this server takes an application/msgpack body {target_module, bucket, lora_only} "
+            "(safetensors buckets); sglang's serialized_named_tensors (CUDA IPC, pickled) is not supported",
+            status=415,
+        )
+    raw = await request.read()
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:
+        raise BadRequest("body", f"not a valid msgpack document ({type(exc).__name__}: {exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", f"must be a msgpack map, got {type(body).__name__}")
+    unknown = sorted(set(body) - {"target_module", "bucket", "lora_only"})
+    if unknown:
+        raise BadRequest(str(unknown[0]), "unknown field (expected target_module, bucket, lora_only)")
+    module = body.get("target_module")
+    if not isinstance(module, str):
+        raise BadRequest("target_module", f"must be a module name, got {module!r}")
+    _module_names(engine, [module], "target_module")
+    lora_only = body.get("lora_only", False)
+    if not isinstance(lora_only, bool):
+        raise BadRequest("lora_only", f"must be true or false, got {lora_only!r}")
+    bucket = body.get("bucket")
+    if not isinstance(bucket, bytes):
+        raise BadRequest("bucket", f"must be safetensors bytes, got {type(bucket).__name__}")
+    try:
+        tensors = await asyncio.to_thread(bucket_from_bytes, bucket)
+    except Exception as exc:
+        raise BadRequest("bucket", f"not valid safetensors bytes ({exc})") from None
+    if not tensors:
+        raise BadRequest("bucket", "holds no tensors")
+    if lora_only:
+        other = sorted(name for name in tensors if not any(marker in name for marker in LORA_MARKERS))
+        if other:
+            raise BadRequest("bucket", f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
+    try:
+        count = await asyncio.to_thread(engine.update_weights_from_tensors, module, tensors)
+    except WeightUpdateError as exc:
+        raise BadRequest("bucket", str(exc)) from None
+    return web.json_response({"success": True, "message": f"Updated {count} tensors of {module}.", "num_tensors": count})
+
+
+async def _checksum(request: web.Request) -> web.Response:
+    engine = request.app[STATE].require()
+    raw = await request.read()
+    body: Any = {}
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest("body", f"not valid JSON ({exc})") from None
+    body = _json_object(body)
+    names = _module_names(engine, body.get("module_names"), "module_names")
+    checksums = await engine.weights_checksum(names)
+    return web.json_response(checksums)
+
+
+__all__ = ["DEFAULT_BUFFER_SIZE", "STATE", "BadRequest", "EngineState", "RunningServer", "create_app", "start_server"]

@@ -1,0 +1,1 @@
+"""Trainer-side rollout: prompt data, seeds, microgroups, samples."""

@@ -1,0 +1,93 @@
+"""Prompt data: ``--prompt-data`` JSONL, one row per prompt.
+
+Each row is a JSON object with the prompt under ``--input-key`` (default ``input``) and
+optional metadata (an object) under ``--metadata-key`` (default ``metadata``). A bad row
+is an error that names the file and the line; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class PromptDataError(ValueError):
+    """A prompt file or row that cannot be used."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+    """Row number in the file (0-based), for tracing a sample back to its prompt."""
+
+
+def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRecord]:
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise PromptDataError(f"{path}: cannot read prompt data ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise PromptDataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    records: list[PromptRecord] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptDataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise PromptDataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        if input_key not in row:
+            raise PromptDataError(f"{where}: no {input_key!r} key (set --input-key to the prompt's key)")
+        prompt = row[input_key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise PromptDataError(f"{where}: {input_key!r} must be a non-empty string, got {prompt!r}")
+        metadata = row.get(metadata_key, {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise PromptDataError(f"{where}: {metadata_key!r} must be a JSON object, got {type(metadata).__name__}")
+        records.append(PromptRecord(prompt, metadata, len(records)))
+    if not records:
+        raise PromptDataError(f"{path}: no prompts (empty file)")
+    return records
+
+
+class PromptSource:
+    """Prompts for each rollout, a pure function of the rollout id: rollout ``r`` takes
+    positions ``r*B .. r*B+B-1`` of an endless sequence of epochs, each epoch a
+    permutation of the file seeded by ``(seed, epoch)``. A resumed or replayed rollout
+    gets the same prompts."""
+
+    def __init__(self, records: list[PromptRecord], *, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(f"prompts:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def epoch_of(self, rollout_id: int) -> int:
+        return rollout_id * self.batch_size // len(self.records)
+
+    def batch(self, rollout_id: int) -> list[PromptRecord]:
+        size = len(self.records)
+        out = []
+        for position in range(rollout_id * self.batch_size, (rollout_id + 1) * self.batch_size):
+            epoch, offset = divmod(position, size)
+            out.append(self.records[self.epoch_order(epoch)[offset]])
+        return out

@@ -1,0 +1,157 @@
+"""Generating one rollout: prompt groups, microgroups, seeds, concurrent requests.
+
+Each prompt group of ``n_samples_per_prompt`` samples is split into microgroups of at
+most ``rollout_microgroup_size`` outputs, one ``/rollout/generate`` request each, with
+the seed layout of :mod:`miles_core.rollout.seeds`. All microgroups of a rollout run as
+concurrent tasks, at most ``--sglang-server-concurrency`` in flight; results come back
+in (group, sample) order whatever order the requests finish in. ``on_microgroup`` is
+called as each microgroup returns, so scoring can overlap generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+from miles_core.engine.base import RolloutEngine
+from miles_core.engine.request import RolloutRequest
+from miles_core.rollout.data import PromptRecord
+from miles_core.rollout.sample import Sample
+from miles_core.rollout.seeds import Microgroup, group_index, microgroups
+from miles_core.step_strategies import StepStrategy, select_steps
+
+MicrogroupCallback = Callable[[list[Sample]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout needs from the configuration (flag names as in the CLI)."""
+
+    n_samples_per_prompt: int
+    rollout_microgroup_size: int
+    rollout_batch_size: int
+    rollout_seed: int
+    diffusion_num_steps: int
+    diffusion_num_sde_steps: int
+    diffusion_sde_window_range: tuple[int, int] | None
+    diffusion_sde_candidate_steps: tuple[int, ...] | None
+    diffusion_guidance_scale: float
+    diffusion_true_cfg_scale: float | None
+    diffusion_negative_prompt: str | None
+    diffusion_height: int | None
+    diffusion_width: int | None
+    diffusion_output_num_frames: int
+    diffusion_fps: float | None
+    diffusion_sde_type: str
+    diffusion_noise_level: float
+    diffusion_log_prob_no_const: bool
+    diffusion_debug_mode: bool
+    sglang_server_concurrency: int
+    extra_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Any) -> RolloutSettings:
+        from dataclasses import fields
+
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "extra_sampling_params"}
+        if getattr(config, "sde_step_backend_path", None):
+            # A one-off backend travels under its path (EmbeddedEngine.from_config registers it so).
+            values["diffusion_sde_type"] = config.sde_step_backend_path
+        extra = {}
+        if getattr(config, "diffusion_guidance_scale_2", None) is not None:
+            extra["guidance_scale_2"] = config.diffusion_guidance_scale_2
+        return cls(**values, extra_sampling_params=extra)
+
+    def request(self, prompt: str, microgroup: Microgroup, sde_steps: Sequence[int], return_steps: Sequence[int]) -> RolloutRequest:
+        frames = self.diffusion_output_num_frames
+        return RolloutRequest(
+            prompt=prompt,
+            negative_prompt=self.diffusion_negative_prompt,
+            seed=microgroup.seed,
+            width=self.diffusion_width,
+            height=self.diffusion_height,
+            num_inference_steps=self.diffusion_num_steps,
+            num_outputs_per_prompt=microgroup.size,
+            guidance_scale=self.diffusion_guidance_scale,
+            true_cfg_scale=self.diffusion_true_cfg_scale,
+            num_frames=frames if frames and frames > 1 else None,
+            fps=self.diffusion_fps,
+            rollout=True,
+            rollout_sde_type=self.diffusion_sde_type,
+            rollout_noise_level=self.diffusion_noise_level,
+            rollout_log_prob_no_const=self.diffusion_log_prob_no_const,
+            rollout_debug_mode=self.diffusion_debug_mode,
+            rollout_return_denoising_env=True,
+            rollout_return_dit_trajectory=True,
+            rollout_sde_step_indices=tuple(sde_steps),
+            rollout_return_step_indices=tuple(return_steps),
+            extra_sampling_params=dict(self.extra_sampling_params),
+        )
+
+
+async def generate_rollout(
+    engine: RolloutEngine,
+    settings: RolloutSettings,
+    rollout_id: int,
+    prompts: Sequence[PromptRecord],
+    strategy: StepStrategy,
+    *,
+    epoch: int = 0,
+    on_microgroup: MicrogroupCallback | None = None,
+) -> list[list[Sample]]:
+    """Generate every group of one rollout; returns the groups in prompt order, each
+    with its samples in seed order."""
+    limit = asyncio.Semaphore(settings.sglang_server_concurrency)
+    groups: list[list[Sample | None]] = [[None] * settings.n_samples_per_prompt for _ in prompts]
+
+    async def run(position: int, record: PromptRecord, microgroup: Microgroup) -> None:
+        selection = select_steps(settings, seed=microgroup.seed, epoch=epoch, strategy=strategy)
+        request = settings.request(record.prompt, microgroup, selection.sde_steps, selection.return_steps)
+        async with limit:
+            outputs = await engine.generate(request)
+        if len(outputs) != microgroup.size:
+            raise RuntimeError(f"engine returned {len(outputs)} outputs for a microgroup of {microgroup.size}")
+        samples = []
+        for i, output in enumerate(outputs):
+            if output.seed != microgroup.seed + i:
+                raise RuntimeError(f"engine returned seed {output.seed} for output {i} of seed {microgroup.seed}")
+            sample = Sample(
+                prompt=record.prompt,
+                metadata=dict(record.metadata),
+                rollout_id=rollout_id,
+                group_index=microgroup.group_index,
+                index_in_group=microgroup.offset + i,
+                seed=output.seed,
+                sde_step_indices=selection.sde_steps,
+                output=output,
+            )
+            groups[position][microgroup.offset + i] = sample
+            samples.append(sample)
+        if on_microgroup is not None:
+            await on_microgroup(samples)
+
+    tasks = [
+        run(position, record, microgroup)
+        for position, record in enumerate(prompts)
+        for microgroup in microgroups(
+            settings.rollout_seed,
+            group_index(rollout_id, position, settings.rollout_batch_size),
+            settings.n_samples_per_prompt,
+            settings.rollout_microgroup_size,
+        )
+    ]
+    await asyncio.gather(*tasks)
+    return [[sample for sample in group if sample is not None] for group in groups]
+
+
+def strategy_from_config(config: Any) -> StepStrategy:
+    """``--diffusion-step-strategy-path`` when set; otherwise ``ode_and_return_last`` for
+    losses that train without SDE steps (nft) and ``sde_window`` for the rest."""
+    from miles_core.plugin_manager import get_host
+    from miles_core.refs import resolve_path_flag
+
+    if config.diffusion_step_strategy_path:
+        return resolve_path_flag("--diffusion-step-strategy-path", config.diffusion_step_strategy_path, "callable")
+    name = "ode_and_return_last" if config.loss_type == "nft" else "sde_window"
+    return get_host().registries.step_strategy.get(name).load()

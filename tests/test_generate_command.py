@@ -1,0 +1,184 @@
+"""``miles-core generate``: files and manifest, determinism for a seed, refusal to
+overwrite, prompt files, LoRA loading, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from miles_sd3.family import SD3Family
+from PIL import Image
+
+from miles_core.cli import generate
+
+torch.set_num_threads(1)
+
+COMMON = ["--diffusion-model-family", "sd3", "--height", "32", "--width", "32", "--num-inference-steps", "3",
+          "--guidance-scale", "4.5", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return SD3Family.build_tiny_pipeline(tmp_path_factory.mktemp("sd3") / "tiny")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "miles_core.cli.main", "generate", *args], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def manifest(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_prompt(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "out"
+    result = cli("--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "wrote 2 file(s)" in result.stderr
+    return out
+
+
+def test_a_prompt_writes_pngs_and_a_manifest(one_prompt: Path) -> None:
+    assert sorted(p.name for p in one_prompt.iterdir()) == ["manifest.jsonl", "p000_s7.png", "p000_s8.png"]
+    assert manifest(one_prompt) == [
+        {"prompt_index": 0, "prompt": "a red cube", "seed": 7, "file": "p000_s7.png"},
+        {"prompt_index": 0, "prompt": "a red cube", "seed": 8, "file": "p000_s8.png"},
+    ]
+    first, second = pixels(one_prompt / "p000_s7.png"), pixels(one_prompt / "p000_s8.png")
+    assert first.shape == (32, 32, 3) and first.dtype == np.uint8
+    assert not np.array_equal(first, second)  # output i has its own seed
+
+
+def test_a_prompt_file_and_determinism_for_a_seed(tiny: Path, one_prompt: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"text": "a red cube", "metadata": {"id": "a"}}\n\n{"text": "a blue sphere"}\n', encoding="utf-8"
+    )
+    out = tmp_path / "out"
+    result = cli("--hf-checkpoint", str(tiny), *COMMON, "--prompt-file", str(prompts), "--input-key", "text",
+                 "--num-outputs", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = manifest(out)
+    assert [(r["prompt_index"], r["prompt"], r["seed"], r["file"]) for r in rows] == [
+        (0, "a red cube", 7, "p000_s7.png"), (0, "a red cube", 8, "p000_s8.png"),
+        (1, "a blue sphere", 7, "p001_s7.png"), (1, "a blue sphere", 8, "p001_s8.png"),
+    ]
+    assert rows[0]["metadata"] == {"id": "a"} and "metadata" not in rows[2]
+    # Same prompt and seed in another process: the same image, bit for bit.
+    for name in ("p000_s7.png", "p000_s8.png"):
+        assert np.array_equal(pixels(out / name), pixels(one_prompt / name))
+    # Control: another prompt with the same seed differs.
+    assert not np.array_equal(pixels(out / "p001_s7.png"), pixels(out / "p000_s7.png"))
+
+
+def test_never_overwrites(tiny: Path, one_prompt: Path) -> None:
+    before = {p.name: p.read_bytes() for p in one_prompt.iterdir()}
+    # Seeds 6, 7: 7 exists, so nothing is generated (6 is not written either).
+    with pytest.raises(SystemExit) as info:
+        generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--seed", "6", "--num-outputs", "2",
+                      "--prompt", "a red cube", "--out", str(one_prompt)])
+    assert info.value.code == 2
+    assert {p.name: p.read_bytes() for p in one_prompt.iterdir()} == before
+
+
+def test_never_overwrites_message(tiny: Path, one_prompt: Path) -> None:
+    result = cli("--hf-checkpoint", str(tiny), *COMMON, "--prompt", "x", "--out", str(one_prompt))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "p000_s7.png exists; refusing to overwrite it" in lines[0]
+
+
+def write_lora(tiny: Path, out: Path) -> Path:
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    transformer = SD3Transformer2DModel.from_pretrained(tiny / "transformer")
+    torch.manual_seed(0)
+    # init_lora_weights=False: random A and B, so the adapter changes the output.
+    transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"])
+    )
+    StableDiffusion3Pipeline.save_lora_weights(out, transformer_lora_layers=get_peft_model_state_dict(transformer))
+    return out
+
+
+def test_lora_changes_the_image(tiny: Path, one_prompt: Path, tmp_path: Path) -> None:
+    lora = write_lora(tiny, tmp_path / "lora")
+    args = ["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube"]
+    assert generate.run([*args, "--lora", str(lora), "--out", str(tmp_path / "with")]) == 0
+    assert generate.run([*args, "--out", str(tmp_path / "without")]) == 0
+    base = pixels(one_prompt / "p000_s7.png")
+    with_lora = pixels(tmp_path / "with" / "p000_s7.png")
+    assert not np.array_equal(with_lora, base)
+    print(f"LoRA: max |with - base| = {np.abs(with_lora.astype(int) - base.astype(int)).max()} / 255")
+    # The same command without --lora gives the base image (in this process, one output).
+    assert np.array_equal(pixels(tmp_path / "without" / "p000_s7.png"), base)
+
+
+def run_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as info:
+        generate.run(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_errors_are_one_line_and_write_nothing(tiny: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    out = tmp_path / "out"
+    base = ["--hf-checkpoint", str(tiny), "--diffusion-model-family", "sd3", "--out", str(out)]
+    assert "one of the arguments --prompt --prompt-file is required" in run_error(base, capsys)
+    assert "not allowed with" in run_error([*base, "--prompt", "x", "--prompt-file", "p.txt"], capsys)
+    assert "expected a .jsonl or .txt file" in run_error([*base, "--prompt-file", str(tmp_path / "p.csv")], capsys)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "ok"}\n{"input": ""}\n', encoding="utf-8")
+    assert f"{bad}:2" in run_error([*base, "--prompt-file", str(bad)], capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n", encoding="utf-8")
+    assert "no prompts" in run_error([*base, "--prompt-file", str(empty)], capsys)
+    assert "--num-outputs 0" in run_error([*base, "--prompt", "x", "--num-outputs", "0"], capsys)
+    assert "no such file" in run_error([*base, "--prompt", "x", "--lora", str(tmp_path / "nope")], capsys)
+    assert "--diffusion-model-family" in run_error(
+        ["--hf-checkpoint", str(tmp_path / "plain"), "--prompt", "x", "--out", str(out)], capsys
+    )
+    assert "--height 50 must be a multiple of 16" in run_error([*base, "--prompt", "x", "--height", "50"], capsys)
+    # A family whose pipeline has no LoRA loader.
+    monkeypatch.setattr(SD3Family, "pipeline_class", "diffusers:DiffusionPipeline")
+    lora_dir = tmp_path / "lora"
+    lora_dir.mkdir()
+    assert "has no LoRA loader" in run_error([*base, "--prompt", "x", "--lora", str(lora_dir)], capsys)
+    assert not out.exists()
+
+
+def test_a_txt_prompt_file(tiny: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube\n\n  a blue sphere  \n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--num-inference-steps", "2",
+                         "--prompt-file", str(prompts), "--out", str(out)]) == 0
+    assert [(r["prompt"], r["file"]) for r in manifest(out)] == [("a red cube", "p000_s7.png"), ("a blue sphere", "p001_s7.png")]
+
+
+def test_video_outputs_are_animated_gifs(tmp_path: Path) -> None:
+    video = torch.rand(3, 5, 8, 8)
+    name = generate._write(tmp_path, 2, 11, video, fps=10)
+    assert name == "p002_s11.gif"
+    with Image.open(tmp_path / name) as gif:
+        assert gif.n_frames == 5 and gif.size == (8, 8) and gif.info["duration"] == 100
+    with pytest.raises(generate.GenerateError, match="exists"):
+        generate._write(tmp_path, 2, 11, video, fps=10)
