@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,14 +47,18 @@ def interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 
 EXTRA: dict = {}
+_GROUPS = itertools.count()
 
 
 def group_requests(steps: int, microgroup: int):
+    """One prompt group, a prompt of its own (as in training: the engine's prompt cache
+    saves the encode of every microgroup after the group's first, never the first)."""
     from miles_core.engine.request import RolloutRequest
 
+    prompt = f"{PROMPT} {next(_GROUPS)}"
     return [
         RolloutRequest(
-            prompt=PROMPT, seed=offset, num_inference_steps=steps, num_outputs_per_prompt=min(microgroup, N_SAMPLES - offset),
+            prompt=prompt, seed=offset, num_inference_steps=steps, num_outputs_per_prompt=min(microgroup, N_SAMPLES - offset),
             guidance_scale=4.5, rollout_sde_step_indices=tuple(range(steps - 1)),
             rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, extra_sampling_params=EXTRA,
         )
@@ -133,6 +139,9 @@ def main() -> None:
     # Same 8-output batch: plain diffusers call vs the embedded engine recording everything.
     pipe = StableDiffusion3Pipeline.from_pretrained(str(checkpoint))
     pipe.set_progress_bar_config(disable=True)
+    def fresh_request() -> RolloutRequest:
+        return replace(request, prompt=f"{PROMPT} {next(_GROUPS)}")
+
     request = RolloutRequest(
         prompt=PROMPT, negative_prompt=" ", seed=0, num_inference_steps=args.steps, num_outputs_per_prompt=8,
         guidance_scale=4.5, rollout_sde_step_indices=tuple(range(args.steps - 1)),
@@ -140,10 +149,10 @@ def main() -> None:
     )
     both = interleaved(
         {
-            "plain": lambda: pipe(PROMPT, negative_prompt=" ", num_images_per_prompt=8, num_inference_steps=args.steps,
+            "plain": lambda: pipe(f"{PROMPT} {next(_GROUPS)}", negative_prompt=" ", num_images_per_prompt=8, num_inference_steps=args.steps,
                                   guidance_scale=4.5, output_type="pt", generator=torch.Generator().manual_seed(0),
                                   max_sequence_length=args.max_sequence_length or 256),
-            "ours": lambda: engine.generate_sync(request),
+            "ours": lambda: engine.generate_sync(fresh_request()),
         },
         args.repeats,
     )

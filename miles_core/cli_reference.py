@@ -78,6 +78,13 @@ def render(host: PluginHost) -> str:
         "configuration prints one line per violation, naming the flags and the rule, and "
         "exits with status 2.",
         "",
+        "### `miles-core train`\n",
+        "Takes every training flag below, resolves and validates them like `config` (plus the "
+        "rules only a training run needs, such as SDE steps for `--loss-type policy_loss`), "
+        "then runs: rollout, reward, GRPO advantages, optimizer steps, weight sync. Writes "
+        "`config.yaml` and `metrics.jsonl` (one record per rollout) to `--output-dir` and a "
+        "one-line summary per rollout to the console.",
+        "",
         "## Training flags\n",
     ]
     by_title: dict[str, list[FlagEntry]] = {}

@@ -78,3 +78,28 @@ def test_http_engine_from_config():
     engine = create_engine(config)
     assert isinstance(engine, HttpEngine)
     assert engine.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and engine.max_concurrency == 3
+
+
+def test_microgroups_of_one_prompt_encode_it_once(tiny_sd3):
+    from miles_core.engine.request import RolloutRequest
+
+    config = config_for(tiny_sd3)
+    engine = create_engine(config)
+    cache = engine.conditioning_cache
+    request = RolloutRequest(prompt="a blue ball", seed=3, num_inference_steps=2, height=32, width=32,
+                             num_outputs_per_prompt=2, rollout_return_dit_trajectory=True)
+    first = engine.generate_sync(request)
+    second = engine.generate_sync(request)
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert all(torch.equal(a.generated_output, b.generated_output) for a, b in zip(first, second))
+    # Without the cache the samples are the same bit for bit.
+    from miles_core.engine.sampler import sample
+
+    uncached = sample(engine.family, request.with_request_id(), engine.backends)
+    assert all(torch.equal(a.generated_output, b.generated_output) for a, b in zip(first, uncached))
+    # Control: a weight update clears it, and another prompt is another entry.
+    transformer = engine.family.components()["transformer"]
+    name, parameter = next(iter(transformer.named_parameters()))
+    engine.update_weights_from_tensors("transformer", {name: parameter.detach().clone()})
+    engine.generate_sync(request)
+    assert cache.misses == 2

@@ -78,6 +78,6 @@ def test_failed_and_disabled_plugins_are_listed(tmp_path):
 def test_main_usage_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == "miles-core: error: unknown command 'frobnicate'; commands: list-plugins, config, make-tiny, generate, serve-engine\n"
+    assert result.stderr == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, generate, serve-engine\n"
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "make-tiny" in result.stdout

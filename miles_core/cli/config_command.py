@@ -42,18 +42,32 @@ def config_document(config: Config) -> dict[str, Any]:
     return document
 
 
-def run(argv: Sequence[str], prog: str = "miles-core config") -> int:
-    import yaml
-
+def resolve_for_command(argv: Sequence[str], prog: str, *, training: bool) -> Config | None:
+    """Resolve a command line, printing every error (one line each) and warning; None
+    when the configuration is bad. Rules only a training run needs are errors for
+    ``train`` and warnings for ``config``."""
     try:
         config = resolve_config(argv, prog=prog)
+        later = training_errors(config)
+        if training and later:
+            raise ConfigError(later)
     except ConfigError as exc:
         for message in exc.messages:
             print(f"{prog}: error: {message}", file=sys.stderr)
-        return 2
+        return None
     for note in config.notes:
         print(f"{prog}: warning: {note}", file=sys.stderr)
-    for message in training_errors(config):
-        print(f"{prog}: warning: a training run would stop here: {message}", file=sys.stderr)
+    if not training:
+        for message in later:
+            print(f"{prog}: warning: a training run would stop here: {message}", file=sys.stderr)
+    return config
+
+
+def run(argv: Sequence[str], prog: str = "miles-core config") -> int:
+    import yaml
+
+    config = resolve_for_command(argv, prog, training=False)
+    if config is None:
+        return 2
     sys.stdout.write(yaml.safe_dump(config_document(config), sort_keys=False, default_flow_style=False))
     return 0

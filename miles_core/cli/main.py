@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("miles_core.cli.train", "Run training: rollout, reward, optimizer steps, metrics"),
     "list-plugins": ("miles_core.cli.list_plugins", "List installed plugins and what they register"),
     "config": ("miles_core.cli.config_command", "Resolve and validate training flags; print the configuration as YAML"),
     "make-tiny": ("miles_core.cli.make_tiny", "Write a tiny, randomly initialised pipeline of a model family"),

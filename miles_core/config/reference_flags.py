@@ -288,6 +288,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("checkpointing", "--no-load-optim", "bool", False, "Do not load optimizer state from the checkpoint."),
     _f("checkpointing", "--no-load-rng", "bool", False, "Do not load RNG state from the checkpoint."),
     # ------------------------------------------------------------------ logging
+    _f("logging", "--output-dir", "str", None,
+       "Run directory: metrics.jsonl (one record per rollout), the resolved config.yaml and sample grids; unset: runs/<timestamp>.",
+       metavar="DIR", reference_default="(no such flag)",
+       differs="The reference logs to W&B and its dashboard only; a run here always leaves its metrics and configuration on disk."),
     _f("logging", "--use-wandb", "bool", False, "Log to Weights & Biases."),
     _f("logging", "--wandb-project", "str", None, "W&B project."),
     _f("logging", "--wandb-group", "str", None, "W&B run group."),

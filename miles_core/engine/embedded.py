@@ -16,7 +16,7 @@ import torch
 
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
-from miles_core.engine.sampler import sample
+from miles_core.engine.sampler import ConditioningCache, sample
 from miles_core.family import ModelFamily
 from miles_core.sde import SdeBackend
 from miles_core.weights import WeightUpdateError, load_component_from_disk, load_named_tensors, module_checksum
@@ -37,6 +37,7 @@ class EmbeddedEngine(RolloutEngine):
         self.family = family
         self.backends = dict(backends) if backends is not None else installed_backends()
         self._lock = threading.Lock()
+        self.conditioning_cache = ConditioningCache()
 
     @classmethod
     def from_checkpoint(
@@ -77,7 +78,7 @@ class EmbeddedEngine(RolloutEngine):
     def generate_sync(self, request: RolloutRequest) -> list[RolloutOutput]:
         request = request.with_request_id()
         with self._lock:
-            return sample(self.family, request, self.backends)
+            return sample(self.family, request, self.backends, self.conditioning_cache)
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         return await asyncio.to_thread(self.generate_sync, request)
@@ -98,6 +99,7 @@ class EmbeddedEngine(RolloutEngine):
         names = list(module_names) if module_names else list(self.family.components())
         loaded = {}
         with self._lock:
+            self.conditioning_cache.clear()
             for name in names:
                 folder = root / name
                 if not folder.is_dir() and any(root.glob("*.safetensors")):
@@ -108,6 +110,7 @@ class EmbeddedEngine(RolloutEngine):
     def update_weights_from_tensors(self, module_name: str, tensors: Mapping[str, torch.Tensor]) -> int:
         """Copy named tensors (full weights or LoRA ``lora_A``/``lora_B``) into a module."""
         with self._lock:
+            self.conditioning_cache.clear()
             return load_named_tensors(self.component(module_name), tensors, module_name=module_name)
 
     def weights_checksum_sync(self, module_names: Iterable[str]) -> dict[str, str]:

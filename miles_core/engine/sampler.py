@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
+from collections import OrderedDict
 from typing import Mapping, Sequence
 
 import torch
@@ -22,10 +24,45 @@ from miles_core.family import Conditioning, GenerationParams, Latents, ModelFami
 from miles_core.sde import OdeBackend, SdeBackend, StreamStep, score_streams, step_streams
 
 
+class ConditioningCache:
+    """Recently encoded prompts, so the microgroups of one prompt group (and repeated
+    evaluation prompts) encode their prompt once. Families encode with frozen text
+    encoders, never with a trainable component; as a safety net the engine still clears
+    the cache whenever it receives weights. A cached encoding is the tensor a new encode
+    would give, so results do not depend on the cache (a test checks it)."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple, Conditioning] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, family: ModelFamily, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
+        key = (prompt, negative_prompt, repr(params))
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return self._entries[key]
+        cond = family.encode(prompt, negative_prompt, params)
+        with self._lock:
+            self.misses += 1
+            self._entries[key] = cond
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return cond
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
 def sample(
     family: ModelFamily,
     request: RolloutRequest,
     backends: Mapping[str, type[SdeBackend]],
+    cache: ConditioningCache | None = None,
 ) -> list[RolloutOutput]:
     """Run one request; return one record per output."""
     start = time.perf_counter()
@@ -43,7 +80,10 @@ def sample(
     )
     deterministic = OdeBackend(noise_level=0.0)
     with torch.no_grad():
-        cond = family.encode(request.prompt, request.negative_prompt, params)
+        if cache is None:
+            cond = family.encode(request.prompt, request.negative_prompt, params)
+        else:
+            cond = cache.encode(family, request.prompt, request.negative_prompt, params)
         count = request.num_outputs_per_prompt
         generators = [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(count)]
         batches = [list(range(count))] if family.batched_outputs else [[i] for i in range(count)]

@@ -1,0 +1,1 @@
+"""Training: advantages, train pairs, the trainer and the run loop."""

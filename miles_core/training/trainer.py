@@ -1,0 +1,173 @@
+"""The trainer: recomputes the policy's log-probabilities on recorded SDE steps through
+the same family prediction and SDE backend as the engine, and takes optimizer steps on
+the selected loss.
+
+Trainable weights are LoRA adapters (PEFT, through diffusers' adapter API so the
+result saves as a diffusers LoRA) or the full components named by
+``--update-weight-target-module``. With the embedded engine the trainer and the engine
+share the family's modules, so weight sync costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+
+from miles_core.family import ModelFamily
+from miles_core.rollout.sample import Sample
+from miles_core.sde import SdeBackend, score_streams
+from miles_core.training.pairs import TrainPair, build_pairs, collate, micro_batches
+
+
+def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
+    components = family.components()
+    names = [n.strip() for n in str(config.update_weight_target_module).split(",") if n.strip()]
+    unknown = [n for n in names if n not in components]
+    if unknown:
+        raise ValueError(
+            f"--update-weight-target-module {config.update_weight_target_module}: unknown component(s) "
+            f"{', '.join(unknown)}; this family trains {', '.join(components)}"
+        )
+    return {name: components[name] for name in names}
+
+
+def _lora_init(value: str) -> Any:
+    # The reference maps kaiming-uniform to PEFT's default init (True); other names pass through.
+    return True if value in ("kaiming-uniform", "kaiming_uniform", "default") else value
+
+
+class Trainer:
+    def __init__(self, family: ModelFamily, config: Any, backend_cls: type[SdeBackend], loss_fn: Any) -> None:
+        self.family = family
+        self.config = config
+        self.backend = backend_cls(noise_level=config.diffusion_noise_level, log_prob_no_const=config.diffusion_log_prob_no_const)
+        self.loss_fn = loss_fn
+        self.modules = target_modules(config, family)
+        for module in family.components().values():
+            module.requires_grad_(False)
+        if config.use_lora:
+            from peft import LoraConfig
+
+            for module in self.modules.values():
+                module.add_adapter(LoraConfig(
+                    r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules),
+                    init_lora_weights=_lora_init(config.lora_init_weights),
+                ))
+                for name, parameter in module.named_parameters():
+                    parameter.requires_grad_("lora_" in name)
+        else:
+            for module in self.modules.values():
+                module.requires_grad_(True)
+        self.parameters = [p for m in self.modules.values() for p in m.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("nothing to train: no parameter of the target modules requires a gradient")
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps, weight_decay=config.weight_decay,
+        )
+        self.optimizer_steps = 0
+
+    # -- one rollout -----------------------------------------------------------------
+
+    def train_rollout(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:
+        """Take ``num_steps_per_rollout`` optimizer steps over the rollout's samples
+        (``global_batch_size`` samples each); return the rollout's training metrics,
+        per-step values as lists (``train/clipfrac_per_step``)."""
+        config = self.config
+        pairs = build_pairs(samples, advantages, self.family.latent_streams)
+        per_step: dict[str, list[float]] = defaultdict(list)
+        drift_by_step: dict[int, list[float]] = defaultdict(list)
+        gbs = config.global_batch_size
+        for step in range(config.num_steps_per_rollout):
+            window = [p for p in pairs if step * gbs <= p.sample_index < (step + 1) * gbs]
+            metrics = self._optimizer_step(window, drift_by_step, lr_at)
+            for key, value in metrics.items():
+                per_step[key].append(value)
+        result: dict[str, Any] = {}
+        for key, values in per_step.items():
+            result[f"train/{key}"] = sum(values) / len(values)
+            result[f"train/{key}_per_step"] = values
+        if drift_by_step:
+            for k, values in sorted(drift_by_step.items()):
+                result[f"train/log_prob_abs_diff_step_{k}"] = sum(values) / len(values)
+        result["train/num_pairs"] = len(pairs)
+        return result
+
+    def _optimizer_step(self, pairs: list[TrainPair], drift_by_step: dict[int, list[float]], lr_at: Any) -> dict[str, float]:
+        config = self.config
+        skip = config.debug_skip_optimizer_step
+        if lr_at is not None and not skip:
+            lr = lr_at(self.optimizer_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        total = max(1, len(pairs))
+        for batch in micro_batches(pairs, config):
+            data = collate(batch)
+            with torch.set_grad_enabled(not skip):
+                log_prob, velocity, mean, scale = self._log_prob(data)
+                keep = data["loss_mask"] > 0
+                loss_batch = {
+                    "log_prob": log_prob[keep],
+                    "old_log_prob": data["old_log_prob"][keep],
+                    "advantages": data["advantages"][keep],
+                }
+                if config.diffusion_kl_beta > 0:
+                    loss_batch.update(mean=mean[keep], ref_mean=self._reference_mean(data)[keep], std=scale[keep])
+                if bool(keep.any()):
+                    loss, metrics = self.loss_fn(loss_batch, config)
+                    weight = int(keep.sum()) / total
+                    if not skip:
+                        (loss * weight).backward()
+                    sums["loss"] += float(loss.detach()) * weight
+                    for key, value in metrics.items():
+                        if key != "loss":
+                            sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
+            diff = (log_prob.detach() - data["old_log_prob"]).abs()
+            sums["log_prob_mean_abs_diff"] += float(diff.sum()) / total
+            sums["log_prob_max_abs_diff"] = max(sums["log_prob_max_abs_diff"], float(diff.max()))
+            for pair, value in zip(batch, diff.tolist()):
+                drift_by_step[pair.step].append(value)
+            if data["engine_velocity"] is not None:
+                out = (velocity.detach() - data["engine_velocity"]).abs()
+                sums["model_output_mean_abs_diff"] += float(out.flatten(1).mean(1).sum()) / total
+                sums["model_output_max_abs_diff"] = max(sums["model_output_max_abs_diff"], float(out.max()))
+        if not skip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+            sums["grad_norm"] = float(grad_norm)
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        return dict(sums)
+
+    def _log_prob(self, data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        family = self.family
+        velocity = family.predict(data["x"], data["timestep"], data["cond"], data["params"])
+        result = score_streams(
+            self.backend, data["x_next"], data["x"], velocity, data["sigma"], data["sigma_next"],
+            sigma_max=data["sigma_max"],
+        )
+        primary = family.latent_streams[0]
+        return result.log_prob, velocity[primary], result.mean[primary], result.noise_scale
+
+    @torch.no_grad()
+    def _reference_mean(self, data: dict[str, Any]) -> torch.Tensor:
+        """The reference policy's step mean: the model with LoRA disabled (ref-mode
+        lora_base), for the KL term."""
+        modules = list(self.modules.values())
+        for module in modules:
+            module.disable_adapters()
+        try:
+            velocity = self.family.predict(data["x"], data["timestep"], data["cond"], data["params"])
+        finally:
+            for module in modules:
+                module.enable_adapters()
+        result = score_streams(
+            self.backend, data["x_next"], data["x"], velocity, data["sigma"], data["sigma_next"],
+            sigma_max=data["sigma_max"],
+        )
+        return result.mean[self.family.latent_streams[0]]
