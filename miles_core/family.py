@@ -165,6 +165,24 @@ class ModelFamily(abc.ABC):
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
         """Final latents to pixels in [0, 1]: ``[B, C, H, W]`` or ``[B, C, F, H, W]``."""
 
+    def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
+        """Pixels in [0, 1] (``[B, C, H, W]`` or ``[B, C, F, H, W]``) to clean latents
+        ``x0``, the inverse of :meth:`decode`; used by SFT. Families that support SFT
+        override it."""
+        raise NotImplementedError(f"the {type(self).__name__} family cannot encode pixels (no SFT support yet)")
+
+    def save_lora(self, directory: str | Path, modules: Mapping[str, torch.nn.Module]) -> Path:
+        """Write the LoRA adapters of ``modules`` (component name -> PEFT-adapted module)
+        as a diffusers LoRA that ``pipeline.load_lora_weights(directory)`` loads."""
+        from peft.utils import get_peft_model_state_dict
+
+        pipeline_cls = type(self.pipeline)
+        if not hasattr(pipeline_cls, "save_lora_weights"):
+            raise NotImplementedError(f"{pipeline_cls.__name__} has no diffusers LoRA format (save_lora_weights)")
+        layers = {f"{name}_lora_layers": get_peft_model_state_dict(module) for name, module in modules.items()}
+        pipeline_cls.save_lora_weights(str(directory), **layers)
+        return Path(directory)
+
     def extra_outputs(self, latents: Latents, params: GenerationParams) -> dict[str, torch.Tensor]:
         """Further decoded outputs per sample, batch first (LTX-2's audio); none by default."""
         return {}

@@ -17,7 +17,9 @@ REPO_PLUGINS = {
     "ltx": ("miles-ltx", {"model_family": ["ltx"]}),
     "qwen_image": ("miles-qwen-image", {"model_family": ["qwen_image"]}),
     "cosmos3": ("miles-cosmos3", {"model_family": ["cosmos3"]}),
-    "rewards": ("miles-rewards", {"reward": ["jpeg_compressibility", "jpeg_incompressibility"]}),
+    "rewards": ("miles-rewards", {"reward": [
+        "jpeg_compressibility", "jpeg_incompressibility", "brightness", "redness", "colorfulness",
+    ]}),
 }
 
 # Runs list-plugins in-process and reports which heavy libraries it imported.

@@ -208,6 +208,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("data", "--start-rollout-id", "int", None, "First rollout id; resumed from --load when unset."),
     _f("data", "--sft-encoder-checkpoint", "str", None, "SFT only: source of the tokenizer, text encoder and VAE."),
     _f("data", "--sft-frame-stride", "int", 1, "SFT only: temporal stride when encoding video frames."),
+    _f("data", "--sft-image-key", "str", "image",
+       "SFT only: key of each --prompt-data row holding the image (or video) path, relative to the JSONL file's folder.",
+       metavar="KEY", reference_default="(no such flag)",
+       differs="The reference reads SFT data through its own data source; here SFT rows are plain JSONL next to their images."),
     # ------------------------------------------------------------------ evaluation
     _f("evaluation", "--eval-interval", "int", None, "Evaluate every N rollouts; requires configured eval datasets."),
     _f("evaluation", "--eval-prompt-data", "str", None, "Eval datasets as repeated NAME PATH pairs.", nargs="+"),

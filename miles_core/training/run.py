@@ -39,84 +39,184 @@ def number_of_rollouts(config: Config, num_prompts: int) -> int:
 
 async def train(config: Config, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Path:
     """Run the training loop; return the run directory."""
+    import yaml
+
     from miles_core.cli.config_command import config_document
-    from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.engine.factory import create_engine
     from miles_core.plugin_manager import get_host
-    from miles_core.refs import resolve_path_flag
-    from miles_core.rollout.data import PromptSource, load_prompts
-    from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
-    from miles_core.training.advantages import advantages_from_config
     from miles_core.training.lr_schedule import from_config as lr_schedule_from_config
-    from miles_core.training.rewards import RewardScorer
     from miles_core.training.trainer import Trainer
 
     if not config.prompt_data:
         raise RunError("--prompt-data is required: a JSONL file with one prompt per line")
-    records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
+    sft = config.loss_type == "sft_loss"
+    if sft:
+        from miles_core.training.sft import load_sft_rows
+
+        records: list[Any] = load_sft_rows(config.prompt_data, input_key=config.input_key, image_key=config.sft_image_key)
+    else:
+        from miles_core.rollout.data import load_prompts
+
+        records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
     total_rollouts = number_of_rollouts(config, len(records))
     out = output_directory(config)
-    import yaml
-
     (out / "config.yaml").write_text(yaml.safe_dump(config_document(config), sort_keys=False), encoding="utf-8")
     torch.manual_seed(config.seed)
     if config.deterministic_mode:
         torch.use_deterministic_algorithms(True)
+    host = get_host()
+    loss_fn = host.registries.loss.get(config.loss_type).load()
+    engine = None if sft else _embedded_engine(config)
+    family = engine.family if engine is not None else _load_family(config)
+    trainer = Trainer(family, config, _backend(config), loss_fn)  # shares the engine's modules
+    schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
+    with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
+        if sft:
+            loop = _sft_rollouts(config, trainer, records, schedule.lr_at, total_rollouts)
+        else:
+            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, total_rollouts, out)
+        async for metrics in loop:
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            log(_summary(metrics, total_rollouts))
+    _save_weights(config, trainer, out)
+    return out
+
+
+def _summary(metrics: dict[str, Any], total: int) -> str:
+    line = f"rollout {metrics['rollout_id'] + 1}/{total}"
+    if "rollout/reward/raw_mean" in metrics:
+        line += f"  reward {metrics['rollout/reward/raw_mean']:+.4f}"
+    if "train/loss" in metrics:
+        line += f"  loss {metrics['train/loss']:+.4e}"
+    if "train/clipfrac" in metrics:
+        line += f"  clipfrac {metrics['train/clipfrac']:.3f}"
+    for key, value in metrics.items():
+        if key.endswith("/paired_gain"):
+            line += f"  {key.removeprefix('eval/')} {value:+.4f}"
+    return line + f"  {metrics['perf/step_time']:.2f}s"
+
+
+def _embedded_engine(config: Config) -> Any:
+    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engine.factory import create_engine
+
     engine = create_engine(config)
     if not isinstance(engine, EmbeddedEngine):
         raise RunError(
             f"--rollout-engine {config.rollout_engine}: training with a remote engine needs weight sync over HTTP, "
             "which the run loop does not do yet; use --rollout-engine embedded"
         )
-    host = get_host()
+    return engine
+
+
+def _load_family(config: Config) -> Any:
+    from miles_core.plugin_manager import get_host
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    family_cls = get_host().registries.model_family.get(config.model_family).load()
+    return family_cls.from_pretrained(
+        config.hf_checkpoint, device=config.diffusion_generator_device, dtype=dtypes[config.diffusion_forward_dtype]
+    )
+
+
+def _backend(config: Config) -> Any:
+    from miles_core.plugin_manager import get_host
+    from miles_core.refs import resolve_path_flag
+
     if config.sde_step_backend_path:
-        backend_cls = resolve_path_flag("--sde-step-backend-path", config.sde_step_backend_path, "sde_backend")
-    else:
-        backend_cls = host.registries.sde_backend.get(config.diffusion_sde_type).load()
-    loss_fn = host.registries.loss.get(config.loss_type).load()
-    trainer = Trainer(engine.family, config, backend_cls, loss_fn)  # shares the engine's modules
-    schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
+        return resolve_path_flag("--sde-step-backend-path", config.sde_step_backend_path, "sde_backend")
+    return get_host().registries.sde_backend.get(config.diffusion_sde_type).load()
+
+
+async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, total: int, out: Path):
+    from miles_core.rollout.data import PromptSource
+    from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
+    from miles_core.training.advantages import advantages_from_config
+    from miles_core.training.rewards import RewardScorer
+
+    from miles_core.training.evaluation import Evaluator, save_grid
+
     scorer = RewardScorer(config)
     settings = RolloutSettings.from_config(config)
     strategy = strategy_from_config(config)
     source = PromptSource(records, batch_size=config.rollout_batch_size, seed=config.rollout_seed)
+    evaluator = Evaluator(config, engine, scorer) if config.eval_interval else None
+    samples_dir = out / "samples"
+    pending_eval: dict[str, Any] = {}
+    columns = config.n_samples_per_eval_prompt
+
+    async def evaluate(tag: str) -> dict[str, Any]:
+        result = await evaluator.evaluate()
+        for name, images in result.images.items():
+            save_grid(images, samples_dir / f"eval_{name}_{tag}.png", columns)
+            if evaluator.first is not result:
+                # Before and after, side by side: the same prompts and seeds, one row each.
+                first = evaluator.first.images[name]
+                pairs = [img for pair in zip(first, images) for img in pair]
+                save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * columns)
+        return result.metrics
+
     start = config.start_rollout_id or 0
-    with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
-        for rollout_id in range(start, total_rollouts):
-            began = time.perf_counter()
-            groups = await generate_rollout(
-                engine, settings, rollout_id, source.batch(rollout_id), strategy, epoch=source.epoch_of(rollout_id)
-            )
-            samples = [sample for group in groups for sample in group]
-            generated = time.perf_counter()
-            rewards = await scorer.score(samples)
-            advantages = advantages_from_config(rewards, config, samples)
-            scored = time.perf_counter()
-            metrics: dict[str, Any] = {"rollout_id": rollout_id}
-            if not config.debug_rollout_only:
-                metrics.update(trainer.train_rollout(samples, advantages, schedule.lr_at))
-            trained = time.perf_counter()
-            fallbacks = sum(s.output.log_prob_fallbacks for s in samples)
-            metrics.update({
-                "rollout/reward/raw_mean": float(rewards.mean()),
-                "rollout/reward/raw_std": float(rewards.std(unbiased=False)),
-                "rollout/reward/raw_min": float(rewards.min()),
-                "rollout/reward/raw_max": float(rewards.max()),
-                "rollout/advantages/abs_mean": float(advantages.abs().mean()),
-                "rollout/num_samples": len(samples),
-                "rollout/log_prob_fallbacks": fallbacks,
-                "perf/rollout_time": generated - began,
-                "perf/reward_time": scored - generated,
-                "perf/train_time": trained - scored,
-                "perf/step_time": trained - began,
-            })
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            summary = f"rollout {rollout_id + 1}/{total_rollouts}  reward {metrics['rollout/reward/raw_mean']:+.4f}"
-            if "train/loss" in metrics:
-                summary += f"  loss {metrics['train/loss']:+.4e}  clipfrac {metrics.get('train/clipfrac', 0.0):.3f}"
-            log(summary + f"  {metrics['perf/step_time']:.2f}s")
-    return out
+    if evaluator is not None and not config.skip_eval_before_train:
+        pending_eval = await evaluate(f"{start:05d}_before")
+    for rollout_id in range(start, total):
+        began = time.perf_counter()
+        groups = await generate_rollout(
+            engine, settings, rollout_id, source.batch(rollout_id), strategy, epoch=source.epoch_of(rollout_id)
+        )
+        samples = [sample for group in groups for sample in group]
+        generated = time.perf_counter()
+        rewards = await scorer.score(samples)
+        advantages = advantages_from_config(rewards, config, samples)
+        scored = time.perf_counter()
+        metrics: dict[str, Any] = {"rollout_id": rollout_id}
+        if not config.debug_rollout_only:
+            metrics.update(trainer.train_rollout(samples, advantages, lr_at))
+        trained = time.perf_counter()
+        metrics.update({
+            "rollout/reward/raw_mean": float(rewards.mean()),
+            "rollout/reward/raw_std": float(rewards.std(unbiased=False)),
+            "rollout/reward/raw_min": float(rewards.min()),
+            "rollout/reward/raw_max": float(rewards.max()),
+            "rollout/advantages/abs_mean": float(advantages.abs().mean()),
+            "rollout/num_samples": len(samples),
+            "rollout/log_prob_fallbacks": sum(s.output.log_prob_fallbacks for s in samples),
+            "perf/rollout_time": generated - began,
+            "perf/reward_time": scored - generated,
+            "perf/train_time": trained - scored,
+            "perf/step_time": trained - began,
+        })
+        metrics.update(pending_eval)
+        pending_eval = {}
+        if evaluator is not None and ((rollout_id + 1) % config.eval_interval == 0 or rollout_id + 1 == total):
+            metrics.update(await evaluate(f"{rollout_id + 1:05d}"))
+        yield metrics
+
+
+async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, total: int):
+    from miles_core.rollout.data import PromptSource
+    from miles_core.training.sft import sft_params
+
+    params = sft_params(trainer.family, config)
+    source = PromptSource(rows, batch_size=config.rollout_batch_size * config.n_samples_per_prompt, seed=config.rollout_seed)
+    for rollout_id in range(config.start_rollout_id or 0, total):
+        began = time.perf_counter()
+        metrics: dict[str, Any] = {"rollout_id": rollout_id}
+        metrics.update(trainer.train_sft(source.batch(rollout_id), params, lr_at))
+        metrics["perf/train_time"] = metrics["perf/step_time"] = time.perf_counter() - began
+        yield metrics
+
+
+def _save_weights(config: Config, trainer: Any, out: Path) -> None:
+    """The trained weights in a form plain diffusers loads: a LoRA (``out/lora``) or the
+    full components (``out/model/<component>``)."""
+    if config.debug_skip_optimizer_step or config.debug_rollout_only:
+        return
+    if config.use_lora:
+        trainer.family.save_lora(out / "lora", trainer.modules)
+    else:
+        for name, module in trainer.modules.items():
+            module.save_pretrained(str(out / "model" / name))
 
 
 def run_sync(config: Config) -> Path:

@@ -70,6 +70,53 @@ class Trainer:
         )
         self.optimizer_steps = 0
 
+    # -- supervised flow matching ------------------------------------------------------
+
+    def train_sft(self, rows: Sequence[Any], params: Any, lr_at: Any = None) -> dict[str, Any]:
+        """``num_steps_per_rollout`` optimizer steps of ``global_batch_size`` rows each
+        on the flow-matching loss (see :mod:`miles_core.training.sft`)."""
+        from miles_core.training.sft import sft_batch
+
+        config = self.config
+        gbs = config.global_batch_size
+        per_step: dict[str, list[float]] = defaultdict(list)
+        primary = self.family.latent_streams[0]
+        for step in range(config.num_steps_per_rollout):
+            window = rows[step * gbs : (step + 1) * gbs]
+            if lr_at is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(self.optimizer_steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            # Noise and steps depend only on (--seed, optimizer step): a resumed run draws the same.
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
+            sums: dict[str, float] = defaultdict(float)
+            size = config.micro_batch_size
+            for start in range(0, len(window), size):
+                chunk = window[start : start + size]
+                data = sft_batch(self.family, chunk, params, generator)
+                velocity = self.family.predict(data["x_t"], data["timestep"], data["cond"], params)
+                loss, metrics = self.loss_fn(
+                    {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config
+                )
+                weight = len(chunk) / len(window)
+                (loss * weight).backward()
+                sums["loss"] += float(loss.detach()) * weight
+                for key, value in metrics.items():
+                    if key != "loss":
+                        sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+            self.optimizer.step()
+            self.optimizer_steps += 1
+            sums["grad_norm"] = float(grad_norm)
+            sums["lr"] = self.optimizer.param_groups[0]["lr"]
+            for key, value in sums.items():
+                per_step[key].append(value)
+        result: dict[str, Any] = {}
+        for key, values in per_step.items():
+            result[f"train/{key}"] = sum(values) / len(values)
+            result[f"train/{key}_per_step"] = values
+        return result
+
     # -- one rollout -----------------------------------------------------------------
 
     def train_rollout(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:

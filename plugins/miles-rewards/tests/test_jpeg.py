@@ -76,6 +76,9 @@ def test_registered_and_light():
     assert names == {
         "jpeg_compressibility": "miles_rewards.jpeg:JpegCompressibility",
         "jpeg_incompressibility": "miles_rewards.jpeg:JpegIncompressibility",
+        "brightness": "miles_rewards.diagnostic:Brightness",
+        "redness": "miles_rewards.diagnostic:Redness",
+        "colorfulness": "miles_rewards.diagnostic:Colorfulness",
     }
     code = "import sys, miles_rewards.plugin; print(sorted(m for m in ('torch', 'PIL', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -25,3 +25,28 @@ def to_uint8_frames(output: Any) -> list[np.ndarray]:
         array = array[:, None]
     # [C, F, H, W] -> F frames of [H, W, C]
     return [np.ascontiguousarray(frame) for frame in array.transpose(1, 2, 3, 0)]
+
+
+def to_float_frames(output: Any) -> np.ndarray:
+    """One generated output -> its frames as a ``float64`` ``[F, C, H, W]`` array in ``[0, 1]``.
+
+    ``output`` is an image ``[C, H, W]`` or a video ``[C, F, H, W]`` with 1 or 3 channels:
+    ``uint8`` is divided by 255; floats (any precision, bfloat16 tensors included) are
+    clamped to ``[0, 1]``, the range the engine's outputs are meant to have.
+    """
+    if hasattr(output, "detach"):
+        output = output.detach().cpu()
+        if str(output.dtype) != "torch.uint8":
+            output = output.double()  # numpy cannot take bfloat16
+    array = np.asarray(output)
+    if array.ndim not in (3, 4):
+        raise ValueError(f"expected an image [C,H,W] or a video [C,F,H,W], got shape {array.shape}")
+    if array.shape[0] not in (1, 3):
+        raise ValueError(f"expected 1 or 3 channels first, got shape {array.shape}")
+    if array.dtype == np.uint8:
+        array = array.astype(np.float64) / 255.0
+    else:
+        array = np.clip(array.astype(np.float64), 0.0, 1.0)
+    if array.ndim == 3:
+        array = array[:, None]
+    return array.transpose(1, 0, 2, 3)  # [C, F, H, W] -> [F, C, H, W]

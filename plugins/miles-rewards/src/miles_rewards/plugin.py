@@ -20,6 +20,22 @@ def miles_register_rewards() -> list[RewardSpec]:
             ref="miles_rewards.jpeg:JpegIncompressibility",
             description="JPEG size in kB at quality 95: rewards detailed, hard-to-compress images",
         ),
+        RewardSpec(
+            name="brightness",
+            ref="miles_rewards.diagnostic:Brightness",
+            description="mean pixel value in [0, 1]: weight-free diagnostic for smoke tests, not a quality measure",
+        ),
+        RewardSpec(
+            name="redness",
+            ref="miles_rewards.diagnostic:Redness",
+            description="mean(R - (G+B)/2) in [-1, 1]: weight-free diagnostic for smoke tests, not a quality measure",
+        ),
+        RewardSpec(
+            name="colorfulness",
+            ref="miles_rewards.diagnostic:Colorfulness",
+            description="Hasler-Suesstrunk colourfulness on [0, 1] pixels: weight-free diagnostic for smoke tests, "
+            "not a quality measure",
+        ),
     ]
 
 

@@ -202,6 +202,14 @@ class SD3Family(ModelFamily):
         # VaeImageProcessor.postprocess(output_type="pt"): denormalize only.
         return (image * 0.5 + 0.5).clamp(0, 1).float()
 
+    def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
+        vae = self.pipeline.vae
+        x = (pixels.to(self.device, vae.dtype) * 2 - 1)  # VaeImageProcessor.preprocess: [0, 1] -> [-1, 1]
+        # The distribution's mean: SFT targets are data, not a random draw per epoch.
+        z = vae.encode(x).latent_dist.mean
+        z = (z - vae.config.shift_factor) * vae.config.scaling_factor  # the inverse of decode's first line
+        return {"latents": z.to(self.dtype)}
+
     @classmethod
     def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:
         """Write a tiny, randomly initialised SD3 pipeline (see :mod:`miles_sd3.tiny`)."""

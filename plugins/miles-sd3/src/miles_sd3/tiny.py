@@ -119,13 +119,14 @@ def _vae(seed: int) -> AutoencoderKL:
     ).eval()
 
 
-def build_pipeline(*, seed: int = 0) -> StableDiffusion3Pipeline:
-    """The tiny pipeline in memory; every module's weights depend only on ``seed``."""
+def build_pipeline(*, seed: int = 0, vae: AutoencoderKL | None = None) -> StableDiffusion3Pipeline:
+    """The tiny pipeline in memory; every module's weights depend only on ``seed``.
+    ``vae`` replaces the random VAE (the demo variant's trained one, :mod:`miles_sd3.demo`)."""
     tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
     return StableDiffusion3Pipeline(
         transformer=build_transformer(seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(seed),
+        vae=_vae(seed) if vae is None else vae,
         text_encoder=_clip_text_encoder(tokenizer, seed),
         tokenizer=tokenizer,
         # Offset seed: with the same config and seed the two CLIPs would be identical.
