@@ -21,12 +21,64 @@ class RunError(RuntimeError):
     """A run that cannot start or go on; the message names the cause."""
 
 
-def output_directory(config: Config) -> Path:
+def output_directory(config: Config, resume_from: int | None) -> Path:
+    """The run directory. A fresh run never reuses one that holds a run; a resumed run
+    (``--load``) continues its own: records of rollouts it will redo move to
+    ``metrics.superseded.jsonl`` (nothing written is lost)."""
     path = Path(config.output_dir) if config.output_dir else Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    if (path / "metrics.jsonl").exists():
-        raise RunError(f"--output-dir {path}: already holds a run (metrics.jsonl); choose another directory")
+    metrics = path / "metrics.jsonl"
+    if metrics.exists():
+        if resume_from is None:
+            raise RunError(f"--output-dir {path}: already holds a run (metrics.jsonl); choose another directory")
+        keep, superseded = [], []
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                (keep if json.loads(line)["rollout_id"] < resume_from else superseded).append(line)
+        if superseded:
+            with (path / "metrics.superseded.jsonl").open("a", encoding="utf-8") as handle:
+                handle.write("\n".join(superseded) + "\n")
+        metrics.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _restore(config: Config, trainer: Any) -> int | None:
+    """Load ``--load`` (``--ckpt-step`` or the latest); return the first rollout to run,
+    or None when there is nothing to resume from."""
+    from miles_core.training.checkpoint import CheckpointError, latest_iteration, load_checkpoint, restore_rng
+
+    if not config.load:
+        return None
+    root = Path(config.load)
+    try:
+        if config.ckpt_step is None and latest_iteration(root) is None:
+            return None  # a first run pointed at its own --save directory
+        checkpoint = load_checkpoint(root, config.ckpt_step)
+    except CheckpointError as exc:
+        raise RunError(f"--load {root}: {exc}") from None
+    try:
+        trainer.load_trainable_state(checkpoint.model_state)
+    except ValueError as exc:
+        raise RunError(f"--load {checkpoint.path}: {exc}") from None
+    if checkpoint.optimizer_state is not None and not config.no_load_optim:
+        trainer.optimizer.load_state_dict(checkpoint.optimizer_state)
+    trainer.optimizer_steps = int(checkpoint.extra.get("optimizer_steps", 0))
+    if not config.no_load_rng:
+        restore_rng(checkpoint.rng_state)
+    return checkpoint.rollout_id + 1
+
+
+def _save(config: Config, trainer: Any, rollout_id: int) -> None:
+    from miles_core.training.checkpoint import capture_rng, save_checkpoint
+
+    save_checkpoint(
+        Path(config.save), rollout_id,
+        model_state=trainer.trainable_state(),
+        optimizer_state=None if config.no_save_optim else trainer.optimizer.state_dict(),
+        rng_state=capture_rng(),
+        extra={"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora),
+               "loss_type": config.loss_type},
+    )
 
 
 def number_of_rollouts(config: Config, num_prompts: int) -> int:
@@ -58,8 +110,6 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
 
         records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
     total_rollouts = number_of_rollouts(config, len(records))
-    out = output_directory(config)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_document(config), sort_keys=False), encoding="utf-8")
     torch.manual_seed(config.seed)
     if config.deterministic_mode:
         torch.use_deterministic_algorithms(True)
@@ -68,16 +118,24 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     engine = None if sft else _embedded_engine(config)
     family = engine.family if engine is not None else _load_family(config)
     trainer = Trainer(family, config, _backend(config), loss_fn)  # shares the engine's modules
+    resumed = _restore(config, trainer)
+    start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
+    out = output_directory(config, start if resumed is not None else None)
+    (out / "config.yaml").write_text(yaml.safe_dump(config_document(config), sort_keys=False), encoding="utf-8")
     schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
         if sft:
-            loop = _sft_rollouts(config, trainer, records, schedule.lr_at, total_rollouts)
+            loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts)
         else:
-            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, total_rollouts, out)
+            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, start, total_rollouts, out)
         async for metrics in loop:
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
             log(_summary(metrics, total_rollouts))
+            rollout_id = metrics["rollout_id"]
+            last = rollout_id + 1 == total_rollouts
+            if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
+                _save(config, trainer, rollout_id)
     _save_weights(config, trainer, out)
     return out
 
@@ -128,7 +186,7 @@ def _backend(config: Config) -> Any:
     return get_host().registries.sde_backend.get(config.diffusion_sde_type).load()
 
 
-async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, total: int, out: Path):
+async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, start: int, total: int, out: Path):
     from miles_core.rollout.data import PromptSource
     from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
     from miles_core.training.advantages import advantages_from_config
@@ -156,7 +214,6 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
                 save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * columns)
         return result.metrics
 
-    start = config.start_rollout_id or 0
     if evaluator is not None and not config.skip_eval_before_train:
         pending_eval = await evaluate(f"{start:05d}_before")
     for rollout_id in range(start, total):
@@ -193,13 +250,13 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
         yield metrics
 
 
-async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, total: int):
+async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, start: int, total: int):
     from miles_core.rollout.data import PromptSource
     from miles_core.training.sft import sft_params
 
     params = sft_params(trainer.family, config)
     source = PromptSource(rows, batch_size=config.rollout_batch_size * config.n_samples_per_prompt, seed=config.rollout_seed)
-    for rollout_id in range(config.start_rollout_id or 0, total):
+    for rollout_id in range(start, total):
         began = time.perf_counter()
         metrics: dict[str, Any] = {"rollout_id": rollout_id}
         metrics.update(trainer.train_sft(source.batch(rollout_id), params, lr_at))

@@ -70,6 +70,30 @@ class Trainer:
         )
         self.optimizer_steps = 0
 
+    # -- state ---------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The weights training changes, per component (LoRA tensors, or everything)."""
+        return {
+            name: {k: p.detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
+            for name, module in self.modules.items()
+        }
+
+    def load_trainable_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        from miles_core.weights import load_named_tensors
+
+        missing = set(self.modules) - set(state)
+        if missing:
+            raise ValueError(f"the checkpoint has no weights for {', '.join(sorted(missing))}")
+        for name, module in self.modules.items():
+            expected = {k for k, p in module.named_parameters() if p.requires_grad}
+            if set(state[name]) != expected:
+                raise ValueError(
+                    f"the checkpoint's {name} weights do not match this run's trainable parameters "
+                    f"({len(state[name])} saved, {len(expected)} here): same --use-lora / LoRA settings?"
+                )
+            load_named_tensors(module, state[name], module_name=name)
+
     # -- supervised flow matching ------------------------------------------------------
 
     def train_sft(self, rows: Sequence[Any], params: Any, lr_at: Any = None) -> dict[str, Any]:
