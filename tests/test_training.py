@@ -262,3 +262,47 @@ def test_resume_after_sigkill_gives_the_uninterrupted_metrics(tiny_sd3, prompts,
                   "--no-load-optim")
     assert [r["rollout_id"] for r in control] == list(range(saved + 1, 10))
     assert without_times(control)[1:] != without_times(full)[saved + 2:]
+
+
+def test_nft_run_trains_on_final_latents_with_an_ema_old_policy(tiny_sd3, prompts, tmp_path):
+    records = run(tiny_sd3, prompts, tmp_path / "nft", "--loss-type", "nft", "--diffusion-num-sde-steps", "0",
+                  "--num-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2",
+                  "--diffusion-guidance-scale", "1.0", "--micro-batch-size", "4")
+    for record in records:
+        assert {"train/nft_loss", "train/positive_loss", "train/negative_loss"} <= record.keys()
+        assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0
+    # 8 samples x int(4 steps x 0.99) = 3 trained timesteps each, in 4-pair micro-batches.
+    assert (tmp_path / "nft" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_nft_trainer_old_policy_is_the_ema(tiny_sd3):
+    from miles_core.engine.factory import create_engine
+    from miles_core.plugin_manager import get_host
+    from miles_core.training.trainer import Trainer
+
+    config = resolve_config([
+        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
+        "--loss-type", "nft", "--use-lora", "--lora-rank", "4", "--diffusion-height", "32", "--diffusion-width", "32",
+    ])
+    engine = create_engine(config)
+    host = get_host()
+    trainer = Trainer(engine.family, config, host.registries.sde_backend.get("ode").load(),
+                      host.registries.loss.get("nft").load())
+    assert trainer.reference_mode() == "ema" and trainer.ema is not None
+    live = trainer.named_trainable()
+    name = next(n for n in live if "lora_B" in n)
+    with torch.no_grad():
+        live[name].add_(0.5)
+    trainer.optimizer_steps = 10
+    trainer._after_optimizer_step()
+    decay = trainer.ema.decay_at(10)
+    # ema <- d * ema + (1 - d) * theta, from a shadow equal to the old value (0 for lora_B).
+    assert torch.allclose(trainer.ema.shadow[name], torch.full_like(live[name], (1 - decay) * 0.5), atol=1e-6)
+
+
+def test_kl_to_the_lora_base_starts_at_zero_and_grows(tiny_sd3, prompts, tmp_path):
+    (record,) = run(tiny_sd3, prompts, tmp_path / "kl", "--num-rollout", "1", "--num-steps-per-rollout", "2",
+                    "--use-lora", "--lora-rank", "4", "--lr", "3e-2", "--diffusion-kl-beta", "0.04")
+    first, second = record["train/kl_loss_per_step"]
+    assert first == 0.0  # LoRA starts as the identity (B = 0): the policy is its reference
+    assert second > 0.0

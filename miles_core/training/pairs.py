@@ -43,14 +43,14 @@ class TrainPair:
     """0 for samples a per-sample filter removed (they still counted for advantages)."""
 
 
-def _conditioning(env: dict[str, Any]) -> Conditioning:
+def conditioning_from_env(env: dict[str, Any]) -> Conditioning:
     def batch1(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         return None if tensors is None else {k: v.unsqueeze(0) for k, v in tensors.items()}
 
     return Conditioning(batch1(env["pos_cond_kwargs"]), batch1(env["neg_cond_kwargs"]))  # type: ignore[arg-type]
 
 
-def _params(env: dict[str, Any], num_steps: int) -> GenerationParams:
+def params_from_env(env: dict[str, Any], num_steps: int) -> GenerationParams:
     image = env["image_kwargs"]
     guidance = dict(env["guidance"])
     scale = float(guidance.pop("guidance_scale"))
@@ -75,8 +75,8 @@ def build_pairs(samples: Sequence[Sample], advantages: torch.Tensor, streams: Se
         sigmas = trajectory["sigmas"]
         timesteps = trajectory["timesteps"]
         num_steps = int(timesteps.shape[0])
-        cond = _conditioning(env)
-        params = _params(env, num_steps)
+        cond = conditioning_from_env(env)
+        params = params_from_env(env, num_steps)
         debug = output.rollout_debug_tensors
         for k in sample.sde_step_indices:
             if k not in positions or k + 1 not in positions:

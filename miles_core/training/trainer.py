@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import torch
 
-from miles_core.family import ModelFamily
+from miles_core.family import Conditioning, ModelFamily
 from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
-from miles_core.training.pairs import TrainPair, build_pairs, collate, micro_batches
+from miles_core.training.pairs import TrainPair, build_pairs, collate, conditioning_from_env, micro_batches, params_from_env
 
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
@@ -69,6 +69,26 @@ class Trainer:
             eps=config.adam_eps, weight_decay=config.weight_decay,
         )
         self.optimizer_steps = 0
+        self.ema = None
+        if config.use_ema or config.loss_type == "nft":
+            # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
+            # reference's automatic choice under nft).
+            from miles_core.training.ema import EMA
+
+            self.ema = EMA.from_config(config, self.named_trainable())
+
+    def named_trainable(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters as ``component.parameter`` names (EMA, checkpoints)."""
+        return {
+            f"{component}.{name}": parameter
+            for component, module in self.modules.items()
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad
+        }
+
+    def _after_optimizer_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update(self.named_trainable(), self.optimizer_steps)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -131,7 +151,83 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
             self.optimizer.step()
             self.optimizer_steps += 1
+            self._after_optimizer_step()
             sums["grad_norm"] = float(grad_norm)
+            sums["lr"] = self.optimizer.param_groups[0]["lr"]
+            for key, value in sums.items():
+                per_step[key].append(value)
+        result: dict[str, Any] = {}
+        for key, values in per_step.items():
+            result[f"train/{key}"] = sum(values) / len(values)
+            result[f"train/{key}_per_step"] = values
+        return result
+
+    # -- DiffusionNFT ----------------------------------------------------------------------
+
+    def train_nft(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:
+        """DiffusionNFT on the rollout's final latents: per sample, a permutation of the
+        schedule's steps (in order with --no-diffusion-nft-shuffle-timesteps), the first
+        ``int(T x --diffusion-nft-timestep-fraction)`` trained; ``x_t = (1-σ)·x0 + σ·ε``;
+        ``v_old`` from the EMA ("old") policy. Noise and permutations come from a
+        generator seeded by ``(--seed, optimizer step)``."""
+        config = self.config
+        gbs = config.global_batch_size
+        primary = self.family.latent_streams[0]
+        per_step: dict[str, list[float]] = defaultdict(list)
+        for step in range(config.num_steps_per_rollout):
+            window = list(range(step * gbs, min((step + 1) * gbs, len(samples))))
+            if lr_at is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(self.optimizer_steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
+            items = []
+            for index in window:
+                output = samples[index].output
+                trajectory = output.dit_trajectory
+                steps = int(trajectory["timesteps"].shape[0])
+                count = max(1, int(steps * config.diffusion_nft_timestep_fraction))
+                order = (torch.arange(steps) if config.no_diffusion_nft_shuffle_timesteps
+                         else torch.randperm(steps, generator=generator))[:count]
+                final = {name: trajectory[name][-1] for name in self.family.latent_streams}
+                for k in order.tolist():
+                    items.append((index, k, final, trajectory, output.denoising_env))
+            sums: dict[str, float] = defaultdict(float)
+            size = config.micro_batch_size
+            for start in range(0, len(items), size):
+                chunk = items[start : start + size]
+                sigma = torch.tensor([float(tr["sigmas"][k]) for _, k, _, tr, _ in chunk])
+                x0 = {name: torch.stack([f[name] for _, _, f, _, _ in chunk]) for name in self.family.latent_streams}
+                noise = {name: torch.randn(x.shape, generator=generator) for name, x in x0.items()}
+                shape = (-1,) + (1,) * (x0[primary].ndim - 1)
+                x_t = {name: (1 - sigma.view(shape)) * x0[name] + sigma.view(shape) * noise[name] for name in x0}
+                timestep = torch.stack([tr["timesteps"][k] for _, k, _, tr, _ in chunk])
+                cond = Conditioning.cat([conditioning_from_env(env) for *_, env in chunk])
+                params = params_from_env(chunk[0][4], int(chunk[0][3]["timesteps"].shape[0]))
+                device_x_t = {n: v.to(self.family.device, self.family.dtype) for n, v in x_t.items()}
+                # The old policy first: swapping EMA weights in and out after the new
+                # forward would modify tensors its backward needs.
+                v_old = self._reference_velocity(device_x_t, timestep, cond, params)[primary]
+                v_new = self.family.predict(device_x_t, timestep, cond, params)[primary]
+                adv = torch.tensor([float(advantages[i]) for i, *_ in chunk])
+                loss, metrics = self.loss_fn(
+                    {"v_new": v_new, "v_old": v_old, "x_t": x_t[primary].to(v_new.device), "x0": x0[primary].to(v_new.device),
+                     "sigma": sigma.to(v_new.device), "advantages": adv.to(v_new.device)},
+                    config,
+                )
+                weight = len(chunk) / len(items)
+                if not config.debug_skip_optimizer_step:
+                    (loss * weight).backward()
+                sums["loss"] += float(loss.detach()) * weight
+                for key, value in metrics.items():
+                    if key != "loss":
+                        sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
+            if not config.debug_skip_optimizer_step:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+                self.optimizer.step()
+                self.optimizer_steps += 1
+                self._after_optimizer_step()
+                sums["grad_norm"] = float(grad_norm)
             sums["lr"] = self.optimizer.param_groups[0]["lr"]
             for key, value in sums.items():
                 per_step[key].append(value)
@@ -148,6 +244,8 @@ class Trainer:
         (``global_batch_size`` samples each); return the rollout's training metrics,
         per-step values as lists (``train/clipfrac_per_step``)."""
         config = self.config
+        if config.loss_type == "nft":
+            return self.train_nft(samples, advantages, lr_at)
         pairs = build_pairs(samples, advantages, self.family.latent_streams)
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
@@ -179,6 +277,8 @@ class Trainer:
         total = max(1, len(pairs))
         for batch in micro_batches(pairs, config):
             data = collate(batch)
+            # The reference forward (which may swap weights) before the policy's graph exists.
+            ref_mean = self._reference_mean(data) if config.diffusion_kl_beta > 0 else None
             with torch.set_grad_enabled(not skip):
                 log_prob, velocity, mean, scale = self._log_prob(data)
                 keep = data["loss_mask"] > 0
@@ -188,7 +288,7 @@ class Trainer:
                     "advantages": data["advantages"][keep],
                 }
                 if config.diffusion_kl_beta > 0:
-                    loss_batch.update(mean=mean[keep], ref_mean=self._reference_mean(data)[keep], std=scale[keep])
+                    loss_batch.update(mean=mean[keep], ref_mean=ref_mean[keep], std=scale[keep])
                 if bool(keep.any()):
                     loss, metrics = self.loss_fn(loss_batch, config)
                     weight = int(keep.sum()) / total
@@ -212,6 +312,7 @@ class Trainer:
             sums["grad_norm"] = float(grad_norm)
             self.optimizer.step()
             self.optimizer_steps += 1
+            self._after_optimizer_step()
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
         return dict(sums)
 
@@ -225,18 +326,39 @@ class Trainer:
         primary = family.latent_streams[0]
         return result.log_prob, velocity[primary], result.mean[primary], result.noise_scale
 
+    def reference_mode(self) -> str:
+        """``--ref-mode``, or the reference's automatic choice: ``ema`` under nft,
+        ``lora_base`` when the KL term is on."""
+        mode = self.config.ref_mode
+        if mode is None:
+            mode = "ema" if self.config.loss_type == "nft" else ("lora_base" if self.config.use_lora else "none")
+        return mode
+
+    @torch.no_grad()
+    def _reference_velocity(self, x: Any, timestep: torch.Tensor, cond: Any, params: Any) -> dict[str, torch.Tensor]:
+        """The reference policy's velocity: the EMA weights (``ema``) or the model with
+        LoRA disabled (``lora_base``)."""
+        mode = self.reference_mode()
+        if mode == "ema":
+            if self.ema is None:
+                raise ValueError("--ref-mode ema needs --use-ema")
+            with self.ema.swap_into(self.named_trainable()):
+                return self.family.predict(x, timestep, cond, params)
+        if mode == "lora_base":
+            modules = list(self.modules.values())
+            for module in modules:
+                module.disable_adapters()
+            try:
+                return self.family.predict(x, timestep, cond, params)
+            finally:
+                for module in modules:
+                    module.enable_adapters()
+        raise ValueError(f"--ref-mode {mode}: the KL term and nft need a reference policy (lora_base or ema)")
+
     @torch.no_grad()
     def _reference_mean(self, data: dict[str, Any]) -> torch.Tensor:
-        """The reference policy's step mean: the model with LoRA disabled (ref-mode
-        lora_base), for the KL term."""
-        modules = list(self.modules.values())
-        for module in modules:
-            module.disable_adapters()
-        try:
-            velocity = self.family.predict(data["x"], data["timestep"], data["cond"], data["params"])
-        finally:
-            for module in modules:
-                module.enable_adapters()
+        """The reference policy's step mean, for the KL term."""
+        velocity = self._reference_velocity(data["x"], data["timestep"], data["cond"], data["params"])
         result = score_streams(
             self.backend, data["x_next"], data["x"], velocity, data["sigma"], data["sigma_next"],
             sigma_max=data["sigma_max"],
