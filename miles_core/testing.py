@@ -15,7 +15,8 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from miles_core.hookspecs import ENTRY_POINT_GROUP
 from miles_core.plugin_manager import PluginHost
@@ -191,3 +192,62 @@ def tiny_pipeline_fixtures(family: Any, *, seed: int = 0) -> tuple[Any, Any]:
         return load_tiny_pipeline(family, tiny_dir)
 
     return tiny_dir, pipe
+
+
+class ServedEngine:
+    """A running ``miles-core serve-engine`` subprocess (see :func:`serve_engine_process`)."""
+
+    def __init__(self, process: subprocess.Popen, url: str, banner: str, log_path: Path) -> None:
+        self.process = process
+        self.url = url
+        self.banner = banner
+        """The line it printed when listening: ``serving <family> <checkpoint> on <url>``."""
+        self.log_path = log_path
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit status (killed after ``timeout``)."""
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait(timeout=10)
+
+
+@contextmanager
+def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0) -> Iterator[ServedEngine]:
+    """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` with one
+    torch thread, wait (at most ``timeout`` seconds) until it listens, yield it, and
+    always stop it. Its stderr goes to ``log_path``, quoted when it dies early."""
+    import os
+    import time
+
+    log_path = Path(log_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint),
+             "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=log, env=env,
+        )
+    served = None
+    try:
+        deadline = time.monotonic() + timeout
+        while served is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"serve-engine did not start listening:\n{log_path.read_text()}")
+            banner = next((l for l in log_path.read_text().splitlines() if l.startswith("serving ")), None)
+            if banner is not None:
+                served = ServedEngine(process, banner.rsplit(" ", 1)[1], banner, log_path)
+            else:
+                time.sleep(0.1)
+        yield served
+    finally:
+        if served is not None:
+            served.stop()
+        elif process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load, save_file
 
+from miles_core import testing
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.http import EngineRequestError, HttpEngine
 from miles_core.engine.request import RolloutRequest
@@ -426,39 +425,18 @@ def test_http_engine_reports_unreachable_servers():
 
 
 def test_serve_engine_command(tiny_dir, reference, tmp_path):
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(tiny_dir),
-             "--port", "0", "--device", "cpu"],
-            stdout=subprocess.DEVNULL, stderr=log, env=env,
-        )
-    try:
-        deadline = time.monotonic() + 90
-        line = None
-        while line is None:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            line = next((l for l in log_path.read_text().splitlines() if l.startswith("serving ")), None)
-            time.sleep(0.1)
-        assert line.startswith(f"serving sd3 {tiny_dir} on http://127.0.0.1:")
-        url = line.rsplit(" ", 1)[1]
+    with testing.serve_engine_process(tiny_dir, "--device", "cpu", log_path=tmp_path / "serve.log") as served:
+        assert served.banner.startswith(f"serving sd3 {tiny_dir} on http://127.0.0.1:")
 
         async def main():
-            async with HttpEngine(url) as client:
+            async with HttpEngine(served.url) as client:
                 await client.wait_until_healthy(timeout=60)
                 assert_same_outputs(reference.generate_sync(ROLLOUT), await client.generate(ROLLOUT))
                 checksum = module_checksum(reference.component("transformer"))
                 assert await client.weights_checksum(["transformer"]) == {"transformer": checksum}
 
         run(main())
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log_path.read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        assert served.stop() == 0, served.log_path.read_text()
 
 
 def test_serve_engine_rejects_an_unknown_family(tmp_path):

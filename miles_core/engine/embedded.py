@@ -22,6 +22,14 @@ from miles_core.sde import SdeBackend
 from miles_core.weights import WeightUpdateError, load_component_from_disk, load_named_tensors, module_checksum
 
 
+class LoraAdapterError(WeightUpdateError):
+    """A LoRA-only update the module's adapter cannot take."""
+
+
+class LoraAdapterMismatch(LoraAdapterError):
+    """The module already has a LoRA adapter other than the update's ``lora_config``."""
+
+
 def installed_backends(extra: Mapping[str, type[SdeBackend]] | None = None) -> dict[str, type[SdeBackend]]:
     """The registered SDE backends by name (plus one-off classes, e.g. from
     ``--sde-step-backend-path``)."""
@@ -107,11 +115,63 @@ class EmbeddedEngine(RolloutEngine):
                 loaded[name] = load_component_from_disk(self.component(name), folder, module_name=name)
         return loaded
 
-    def update_weights_from_tensors(self, module_name: str, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Copy named tensors (full weights or LoRA ``lora_A``/``lora_B``) into a module."""
+    def update_weights_from_tensors(
+        self, module_name: str, tensors: Mapping[str, torch.Tensor], *, lora_only: bool = False,
+        lora_config: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Copy named tensors (full weights or LoRA ``lora_A``/``lora_B``) into a module.
+        With ``lora_config`` a module without an adapter first gets that one (see
+        :meth:`ensure_lora_adapter`); a LoRA-only update needs the module to have one."""
         with self._lock:
             self.conditioning_cache.clear()
-            return load_named_tensors(self.component(module_name), tensors, module_name=module_name)
+            module = self.component(module_name)
+            if lora_config is not None:
+                self._ensure_lora_adapter(module_name, module, lora_config)
+            elif lora_only and not getattr(module, "peft_config", None):
+                raise LoraAdapterError(
+                    f"{module_name} has no LoRA adapter; a lora_only update to it must carry lora_config"
+                )
+            return load_named_tensors(module, tensors, module_name=module_name)
+
+    def ensure_lora_adapter(self, module_name: str, lora_config: Mapping[str, Any]) -> bool:
+        """Give the module the LoRA adapter ``lora_config`` (``{r, lora_alpha,
+        target_modules, init_lora_weights}``) through diffusers' ``add_adapter``, unless it
+        has one; returns whether one was added. An existing adapter with another ``r``,
+        ``lora_alpha`` or ``target_modules`` raises :class:`LoraAdapterMismatch`."""
+        with self._lock:
+            return self._ensure_lora_adapter(module_name, self.component(module_name), lora_config)
+
+    @staticmethod
+    def _ensure_lora_adapter(module_name: str, module: torch.nn.Module, lora_config: Mapping[str, Any]) -> bool:
+        def shape(r: Any, alpha: Any, targets: Any) -> dict[str, Any]:
+            return {"r": r, "lora_alpha": alpha, "target_modules": targets if isinstance(targets, str) else sorted(targets)}
+
+        wanted = shape(lora_config["r"], lora_config["lora_alpha"], lora_config["target_modules"])
+        existing = getattr(module, "peft_config", None) or {}
+        if existing:
+            held = [shape(c.r, c.lora_alpha, c.target_modules) for c in existing.values()]
+            if held != [wanted]:
+                raise LoraAdapterMismatch(
+                    f"{module_name} already has LoRA adapter(s) {held}; this update's lora_config is {wanted}"
+                )
+            return False
+        if not hasattr(module, "add_adapter"):
+            raise LoraAdapterError(f"{module_name} ({type(module).__name__}) cannot take a LoRA adapter (no add_adapter)")
+        from peft import LoraConfig
+
+        try:
+            module.add_adapter(LoraConfig(
+                r=lora_config["r"], lora_alpha=lora_config["lora_alpha"],
+                target_modules=lora_config["target_modules"],
+                init_lora_weights=lora_config.get("init_lora_weights", True),
+            ))
+        except (ValueError, TypeError) as exc:
+            # diffusers marks the module as adapted before PEFT injects anything: undo that.
+            module.__dict__.pop("peft_config", None)
+            module._hf_peft_config_loaded = False
+            raise LoraAdapterError(f"{module_name}: cannot add the LoRA adapter: {exc}") from None
+        module.requires_grad_(False)
+        return True
 
     def weights_checksum_sync(self, module_names: Iterable[str]) -> dict[str, str]:
         with self._lock:
@@ -121,4 +181,4 @@ class EmbeddedEngine(RolloutEngine):
         return await asyncio.to_thread(self.weights_checksum_sync, list(module_names))
 
 
-__all__ = ["EmbeddedEngine", "RequestError", "installed_backends"]
+__all__ = ["EmbeddedEngine", "LoraAdapterError", "LoraAdapterMismatch", "RequestError", "installed_backends"]

@@ -202,10 +202,15 @@ class HttpEngine(RolloutEngine):
         *,
         buffer_size: int,
         lora_only: bool = False,
+        lora_config: Mapping[str, Any] | None = None,
     ) -> int:
         """Send tensors to every server as safetensors buckets of at most ``buffer_size``
         bytes (one request per bucket); returns the number of tensors sent. LoRA-only
-        updates carry only ``lora_A``/``lora_B`` tensors."""
+        updates carry only ``lora_A``/``lora_B`` tensors, and with ``lora_config``
+        (``{r, lora_alpha, target_modules, init_lora_weights}``) a server whose module has
+        no adapter yet adds that one first."""
+        if lora_config is not None and not lora_only:
+            raise ValueError("lora_config goes with lora_only updates")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         count = 0
         for bucket in iter_buckets(items, buffer_size):
@@ -213,7 +218,7 @@ class HttpEngine(RolloutEngine):
                 other = [n for n in bucket if "lora_A" not in n and "lora_B" not in n]
                 if other:
                     raise ValueError(f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
-            payload = await asyncio.to_thread(_bucket_payload, module_name, bucket, lora_only)
+            payload = await asyncio.to_thread(_bucket_payload, module_name, bucket, lora_only, lora_config)
             await asyncio.gather(*(self._send_bucket(url, payload) for url in self._distinct_urls()))
             count += len(bucket)
         return count
@@ -259,10 +264,12 @@ class HttpEngine(RolloutEngine):
         await self.close()
 
 
-def _bucket_payload(module_name: str, bucket: Mapping[str, torch.Tensor], lora_only: bool) -> bytes:
-    return msgpack.packb(
-        {"target_module": module_name, "bucket": bucket_to_bytes(bucket), "lora_only": lora_only}, use_bin_type=True
-    )
+def _bucket_payload(module_name: str, bucket: Mapping[str, torch.Tensor], lora_only: bool,
+                    lora_config: Mapping[str, Any] | None = None) -> bytes:
+    body: dict[str, Any] = {"target_module": module_name, "bucket": bucket_to_bytes(bucket), "lora_only": lora_only}
+    if lora_config is not None:
+        body["lora_config"] = dict(lora_config)
+    return msgpack.packb(body, use_bin_type=True)
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "EngineRequestError", "HttpEngine", "WeightsMismatchError"]

@@ -9,8 +9,11 @@ Routes (DESIGN section 5):
 - ``POST /update_weights_from_disk``: ``{"model_path": DIR, "target_modules": [...] | null,
   "flush_cache": bool}`` as sglang-diffusion takes it; answers ``{"success", "message"}``.
 - ``POST /update_weights_from_tensor``: our CUDA-IPC-free format, an ``application/msgpack``
-  body ``{"target_module": NAME, "bucket": <safetensors bytes>, "lora_only": bool}``, one
-  request per bucket of at most ``--update-weight-buffer-size`` bytes.
+  body ``{"target_module": NAME, "bucket": <safetensors bytes>, "lora_only": bool,
+  "lora_config": {r, lora_alpha, target_modules, init_lora_weights} (optional, LoRA-only)}``,
+  one request per bucket of at most ``--update-weight-buffer-size`` bytes. With
+  ``lora_config`` a module without an adapter gets that one first (diffusers'
+  ``add_adapter``); one with another adapter answers 409.
 - ``POST /get_weights_checksum``: ``{"module_names": [...] | null}``; answers
   ``{name: sha256}`` as sglang-diffusion does (see :func:`miles_core.weights.module_checksum`).
 
@@ -30,7 +33,11 @@ from typing import Any, Awaitable, Callable
 import msgpack
 from aiohttp import web
 
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.embedded import (
+    EmbeddedEngine,
+    LoraAdapterError,
+    LoraAdapterMismatch,
+)
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.engine.wire import pack_outputs
 from miles_core.weights import WeightUpdateError, bucket_from_bytes
@@ -265,9 +272,9 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest("body", f"not a valid msgpack document ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict):
         raise BadRequest("body", f"must be a msgpack map, got {type(body).__name__}")
-    unknown = sorted(set(body) - {"target_module", "bucket", "lora_only"})
+    unknown = sorted(set(body) - {"target_module", "bucket", "lora_only", "lora_config"})
     if unknown:
-        raise BadRequest(str(unknown[0]), "unknown field (expected target_module, bucket, lora_only)")
+        raise BadRequest(str(unknown[0]), "unknown field (expected target_module, bucket, lora_only, lora_config)")
     module = body.get("target_module")
     if not isinstance(module, str):
         raise BadRequest("target_module", f"must be a module name, got {module!r}")
@@ -275,6 +282,7 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
     lora_only = body.get("lora_only", False)
     if not isinstance(lora_only, bool):
         raise BadRequest("lora_only", f"must be true or false, got {lora_only!r}")
+    lora_config = _lora_config(body.get("lora_config"), lora_only)
     bucket = body.get("bucket")
     if not isinstance(bucket, bytes):
         raise BadRequest("bucket", f"must be safetensors bytes, got {type(bucket).__name__}")
@@ -289,10 +297,43 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
         if other:
             raise BadRequest("bucket", f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
     try:
-        count = await asyncio.to_thread(engine.update_weights_from_tensors, module, tensors)
+        count = await asyncio.to_thread(
+            engine.update_weights_from_tensors, module, tensors, lora_only=lora_only, lora_config=lora_config
+        )
+    except LoraAdapterMismatch as exc:
+        raise BadRequest("lora_config", str(exc), status=409) from None
+    except LoraAdapterError as exc:
+        raise BadRequest("lora_config", str(exc)) from None
     except WeightUpdateError as exc:
         raise BadRequest("bucket", str(exc)) from None
     return web.json_response({"success": True, "message": f"Updated {count} tensors of {module}.", "num_tensors": count})
+
+
+def _lora_config(value: Any, lora_only: bool) -> dict[str, Any] | None:
+    """The optional ``lora_config`` of a LoRA-only update: ``{r, lora_alpha,
+    target_modules, init_lora_weights}``, the adapter a module without one gets."""
+    if value is None:
+        return None
+    if not lora_only:
+        raise BadRequest("lora_config", "goes with lora_only updates only")
+    if not isinstance(value, dict):
+        raise BadRequest("lora_config", f"must be a map {{r, lora_alpha, target_modules, init_lora_weights}}, got {value!r}")
+    unknown = sorted(set(value) - {"r", "lora_alpha", "target_modules", "init_lora_weights"})
+    if unknown:
+        raise BadRequest(f"lora_config.{unknown[0]}", "unknown field (expected r, lora_alpha, target_modules, init_lora_weights)")
+    r, alpha, targets = value.get("r"), value.get("lora_alpha"), value.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise BadRequest("lora_config.r", f"must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise BadRequest("lora_config.lora_alpha", f"must be a positive number, got {alpha!r}")
+    if not (isinstance(targets, str) and targets) and not (
+        isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
+    ):
+        raise BadRequest("lora_config.target_modules", f"must be a non-empty list of module names, got {targets!r}")
+    init = value.get("init_lora_weights", True)
+    if not isinstance(init, (bool, str)):
+        raise BadRequest("lora_config.init_lora_weights", f"must be true, false or a PEFT scheme name, got {init!r}")
+    return {"r": r, "lora_alpha": alpha, "target_modules": targets, "init_lora_weights": init}
 
 
 async def _checksum(request: web.Request) -> web.Response:

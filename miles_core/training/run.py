@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from miles_core.config.model import Config
+from miles_core.engine.embedded import EmbeddedEngine
 
 
 class RunError(RuntimeError):
@@ -115,9 +116,10 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
         torch.use_deterministic_algorithms(True)
     host = get_host()
     loss_fn = host.registries.loss.get(config.loss_type).load()
-    engine = None if sft else _embedded_engine(config)
-    family = engine.family if engine is not None else _load_family(config)
-    trainer = Trainer(family, config, _backend(config), loss_fn)  # shares the engine's modules
+    engine = None if sft else _engine(config)
+    # The embedded engine shares its modules with the trainer; a remote one gets weight syncs.
+    family = engine.family if isinstance(engine, EmbeddedEngine) else _load_family(config)
+    trainer = Trainer(family, config, _backend(config), loss_fn)
     resumed = _restore(config, trainer)
     start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
     out = output_directory(config, start if resumed is not None else None)
@@ -128,16 +130,44 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
             loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts)
         else:
             loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, start, total_rollouts, out)
-        async for metrics in loop:
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            log(_summary(metrics, total_rollouts))
-            rollout_id = metrics["rollout_id"]
-            last = rollout_id + 1 == total_rollouts
-            if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
-                _save(config, trainer, rollout_id)
+        first: dict[str, Any] = {}
+        try:
+            async for metrics in loop:
+                first = first or metrics
+                metrics_file.write(json.dumps(metrics) + "\n")
+                metrics_file.flush()
+                log(_summary(metrics, total_rollouts))
+                rollout_id = metrics["rollout_id"]
+                last = rollout_id + 1 == total_rollouts
+                if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
+                    _save(config, trainer, rollout_id)
+        finally:
+            if engine is not None:
+                await engine.close()
     _save_weights(config, trainer, out)
+    for line in _final_summary(first, metrics if first else {}):
+        log(line)
     return out
+
+
+def _final_summary(first: dict[str, Any], last: dict[str, Any]) -> list[str]:
+    """How the run went, in one line per evaluation set (or the rollout reward)."""
+    lines = []
+    for key, gain in last.items():
+        if key.endswith("/paired_gain"):
+            name = key.removeprefix("eval/").removesuffix("/paired_gain")
+            after = last[f"eval/{name}/reward_mean"]
+            before = after - gain  # the gain is the mean of per-sample differences
+            lines.append(
+                f"summary: eval {name}: reward {before:.4f} -> {after:.4f}, paired gain {gain:+.4f} "
+                f"(std {last[f'eval/{name}/paired_gain_std']:.4f}) on the same prompts and seeds"
+            )
+    if not lines and "rollout/reward/raw_mean" in last:
+        lines.append(
+            f"summary: rollout reward {first['rollout/reward/raw_mean']:.4f} (first rollout) -> "
+            f"{last['rollout/reward/raw_mean']:.4f} (last rollout)"
+        )
+    return lines
 
 
 def _summary(metrics: dict[str, Any], total: int) -> str:
@@ -154,15 +184,14 @@ def _summary(metrics: dict[str, Any], total: int) -> str:
     return line + f"  {metrics['perf/step_time']:.2f}s"
 
 
-def _embedded_engine(config: Config) -> Any:
-    from miles_core.engine.embedded import EmbeddedEngine
+def _engine(config: Config) -> Any:
     from miles_core.engine.factory import create_engine
 
     engine = create_engine(config)
-    if not isinstance(engine, EmbeddedEngine):
+    if not isinstance(engine, EmbeddedEngine) and not hasattr(engine, "update_weights_from_tensors"):
         raise RunError(
-            f"--rollout-engine {config.rollout_engine}: training with a remote engine needs weight sync over HTTP, "
-            "which the run loop does not do yet; use --rollout-engine embedded"
+            f"--rollout-engine {config.rollout_engine}: this engine takes no tensor weight updates, "
+            "so the run cannot sync the trained weights to it"
         )
     return engine
 
@@ -193,7 +222,18 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
     from miles_core.training.rewards import RewardScorer
 
     from miles_core.training.evaluation import Evaluator, save_grid
+    from miles_core.training.weight_sync import sync_to_engine
 
+    remote = not isinstance(engine, EmbeddedEngine)
+
+    async def sync_weights(pending: dict[str, float]) -> dict[str, float]:
+        """Sync to a remote engine; a record's sync metrics add up the syncs since the last one."""
+        synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
+        return {key: pending.get(key, 0) + value for key, value in synced.items()}
+
+    # A remote engine starts from the trainer's weights (checkpoint, LoRA, or a resumed run's).
+    pending_sync = await sync_weights({}) if remote else {}
+    weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
     scorer = RewardScorer(config)
     settings = RolloutSettings.from_config(config)
     strategy = strategy_from_config(config)
@@ -230,6 +270,12 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
         if not config.debug_rollout_only:
             metrics.update(trainer.train_rollout(samples, advantages, lr_at))
         trained = time.perf_counter()
+        if remote:
+            if weights_change:
+                pending_sync = await sync_weights(pending_sync)
+            metrics.update({"perf/weight_sync_time": 0.0, "perf/weight_sync_bytes": 0, **pending_sync})
+            pending_sync = {}
+        synced = time.perf_counter()
         metrics.update({
             "rollout/reward/raw_mean": float(rewards.mean()),
             "rollout/reward/raw_std": float(rewards.std(unbiased=False)),
@@ -241,7 +287,7 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
             "perf/rollout_time": generated - began,
             "perf/reward_time": scored - generated,
             "perf/train_time": trained - scored,
-            "perf/step_time": trained - began,
+            "perf/step_time": synced - began,
         })
         metrics.update(pending_eval)
         pending_eval = {}

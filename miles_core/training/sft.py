@@ -71,15 +71,20 @@ def sft_params(family: Any, config: Any) -> GenerationParams:
     return family.resolve_params(request)
 
 
-def sft_batch(family: Any, rows: Sequence[SftRow], params: GenerationParams, generator: torch.Generator) -> dict[str, Any]:
-    """Everything one SFT micro-batch needs: x_t, timesteps, targets and conditioning."""
+def sft_batch(
+    family: Any, rows: Sequence[SftRow], params: GenerationParams, generator: torch.Generator, cache: Any = None
+) -> dict[str, Any]:
+    """Everything one SFT micro-batch needs: x_t, timesteps, targets and conditioning.
+    ``cache`` (a :class:`~miles_core.engine.sampler.ConditioningCache`) keeps prompt
+    encodings across steps: the text encoders are frozen."""
     from miles_core.family import Conditioning
 
     schedule = family.schedule(params)
     with torch.no_grad():
         pixels = torch.stack([load_image(row.image, params.height, params.width) for row in rows])
         x0 = family.encode_pixels(pixels, params)
-        cond = Conditioning.cat([family.encode(row.prompt, None, params) for row in rows])
+        encode = family.encode if cache is None else (lambda *args: cache.encode(family, *args))
+        cond = Conditioning.cat([encode(row.prompt, None, params) for row in rows])
     steps = torch.randint(0, params.num_inference_steps, (len(rows),), generator=generator)
     sigma = schedule.sigmas.cpu()[steps]
     noise = {name: torch.randn(x.shape, generator=generator, dtype=torch.float32) for name, x in x0.items()}

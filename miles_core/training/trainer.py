@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from miles_core.engine.sampler import ConditioningCache
 from miles_core.family import Conditioning, ModelFamily
 from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
@@ -69,6 +70,8 @@ class Trainer:
             eps=config.adam_eps, weight_decay=config.weight_decay,
         )
         self.optimizer_steps = 0
+        self.prompt_cache = ConditioningCache(max_entries=4096)
+        """SFT prompt encodings (frozen text encoders): each prompt is encoded once."""
         self.ema = None
         if config.use_ema or config.loss_type == "nft":
             # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
@@ -137,7 +140,7 @@ class Trainer:
             size = config.micro_batch_size
             for start in range(0, len(window), size):
                 chunk = window[start : start + size]
-                data = sft_batch(self.family, chunk, params, generator)
+                data = sft_batch(self.family, chunk, params, generator, self.prompt_cache)
                 velocity = self.family.predict(data["x_t"], data["timestep"], data["cond"], params)
                 loss, metrics = self.loss_fn(
                     {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config

@@ -63,3 +63,27 @@ def test_build_is_deterministic_in_the_seed(tmp_path: Path) -> None:
 
 def test_saved_pipeline_is_small(tiny_dir: Path) -> None:
     assert testing.directory_size(tiny_dir) < 2 * 1024 * 1024
+
+
+def test_bench_scale_through_make_tiny(tmp_path: Path, capsys) -> None:
+    """``miles-core make-tiny sd3 DIR --scale bench``: a pipeline where model compute
+    dominates (benchmarks), loadable as usual, 128x128 native, and it samples."""
+    from miles_core.cli import make_tiny
+
+    out = tmp_path / "bench"
+    assert make_tiny.run(["sd3", str(out), "--scale", "bench"]) == 0
+    assert "wrote a bench-scale sd3 pipeline" in capsys.readouterr().err
+    pipe = StableDiffusion3Pipeline.from_pretrained(out)
+    assert sum(p.numel() for p in pipe.transformer.parameters()) >= 10_000_000
+    assert SD3Family.native_size(out) == (128, 128)
+    image = _sample(pipe, PROMPT, max_sequence_length=16)
+    assert image.shape == (1, 3, 128, 128) and torch.isfinite(image).all()
+
+
+def test_unknown_scale_fails_before_writing(tmp_path: Path) -> None:
+    import pytest
+    from miles_sd3 import tiny
+
+    with pytest.raises(ValueError, match="unknown scale 'huge'; choose one of tiny, bench"):
+        tiny.build(tmp_path / "x", scale="huge")
+    assert not (tmp_path / "x").exists()

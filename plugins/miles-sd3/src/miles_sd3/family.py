@@ -211,11 +211,19 @@ class SD3Family(ModelFamily):
         return {"latents": z.to(self.dtype)}
 
     @classmethod
-    def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:
-        """Write a tiny, randomly initialised SD3 pipeline (see :mod:`miles_sd3.tiny`)."""
+    def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0, scale: str = "tiny", demo: bool = False) -> Path:
+        """Write a tiny, randomly initialised SD3 pipeline (see :mod:`miles_sd3.tiny`);
+        ``scale="bench"`` writes the larger one benchmarks use (~20M-parameter transformer,
+        128x128); ``demo=True`` the demo variant of :mod:`miles_sd3.demo`, built once per
+        seed and recipe version and then copied from the cache (``$MILES_CACHE_DIR``,
+        default ``~/.cache/miles-core``)."""
+        if demo:
+            from miles_sd3.demo import cached_demo_pipeline
+
+            return cached_demo_pipeline(out_dir, seed=seed)
         from miles_sd3.tiny import build  # heavy: torch, diffusers, transformers
 
-        return build(out_dir, seed=seed)
+        return build(out_dir, seed=seed, scale=scale)
 
     @classmethod
     def native_size(cls, checkpoint: str | Path) -> tuple[int, int] | None:
