@@ -149,7 +149,7 @@ async def measure(size: str, workdir: Path, prompts: Path, repeats: int, warmup:
         for round_ in range(total):
             recorder.counts = Counter()
             start = time.perf_counter()
-            metrics = await loop.__anext__()
+            metrics, _samples = await loop.__anext__()
             wall = time.perf_counter() - start
             if counts is None:
                 counts = recorder.counts

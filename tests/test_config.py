@@ -114,13 +114,6 @@ def test_microgroup_limits():
     assert "the cosmos3 family supports at most 1 output(s) per request" in message
 
 
-@pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory):
-    from miles_sd3.family import SD3Family
-
-    return SD3Family.build_tiny_pipeline(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
-
-
 def test_native_size_from_local_pipeline(tiny_sd3):
     c = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1")
     assert (c.diffusion_height, c.diffusion_width) == (64, 64)
@@ -347,3 +340,29 @@ def test_training_only_rules_warn_in_config_and_list_a_fix():
     result = run_cli("config", *SD35, "--rollout-batch-size", "2")
     assert result.returncode == 0
     assert "warning: a training run would stop here: --loss-type policy_loss trains on SDE steps" in result.stderr
+
+
+def test_eval_config_is_refused_for_training_with_the_alternative():
+    from miles_core.config.resolve import training_errors
+
+    c = resolve(*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2", "--eval-config", "evals.yaml")
+    assert training_errors(c) == [
+        "--eval-config evals.yaml: OmegaConf evaluation configs are not supported yet; "
+        "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--diffusion-noise-level", "0"], "--loss-type policy_loss needs stochastic steps, but --diffusion-sde-type sde with --diffusion-noise-level 0.0 samples deterministically (no log-prob to train on)"),
+        (["--diffusion-kl-beta", "0.04"], "--diffusion-kl-beta 0.04 needs a reference policy: --use-lora (reference = LoRA disabled) or --use-ema --ref-mode ema"),
+        (["--ref-mode", "ema"], "--ref-mode ema requires --use-ema (the EMA is the reference)"),
+        (["--loss-type", "nft", "--diffusion-kl-beta", "0.1"], "--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)"),
+    ],
+)
+def test_training_only_rules(extra, expected):
+    from miles_core.config.resolve import training_errors
+
+    c = resolve(*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2", *extra)
+    assert training_errors(c) == [expected]

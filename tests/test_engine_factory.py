@@ -2,7 +2,6 @@
 
 import asyncio
 
-import pytest
 import torch
 
 from miles_core.config.resolve import resolve_config
@@ -21,13 +20,6 @@ class HalfNoiseCps(CpsBackend):
 
     def scale(self, sigma, sigma_next, sigma_max):
         return super().scale(sigma, sigma_next, sigma_max) / 2
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory):
-    from miles_sd3.family import SD3Family
-
-    return SD3Family.build_tiny_pipeline(tmp_path_factory.mktemp("sd3") / "tiny")
 
 
 def config_for(tiny_sd3, *extra):

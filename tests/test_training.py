@@ -11,22 +11,6 @@ import torch
 from miles_core.config.resolve import resolve_config
 from miles_core.training.run import train
 
-PROMPTS = ['{"input": "a red cube"}', '{"input": "a blue ball"}', '{"input": "a green tree"}']
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory):
-    from miles_sd3.family import SD3Family
-
-    return SD3Family.build_tiny_pipeline(tmp_path_factory.mktemp("sd3") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("\n".join(PROMPTS) + "\n")
-    return path
-
 
 def run(tiny_sd3, prompts, out, *extra):
     config = resolve_config([
@@ -306,3 +290,35 @@ def test_kl_to_the_lora_base_starts_at_zero_and_grows(tiny_sd3, prompts, tmp_pat
     first, second = record["train/kl_loss_per_step"]
     assert first == 0.0  # LoRA starts as the identity (B = 0): the policy is its reference
     assert second > 0.0
+
+
+def test_recomputed_old_log_probs_make_the_first_ratio_exactly_one(tiny_sd3, prompts, tmp_path):
+    # A flat micro-batch of 1 differs in geometry from the engine's microgroups of 2, so
+    # only the recomputation guarantees ratio 1 at the first step on every CPU.
+    (record,) = run(tiny_sd3, prompts, tmp_path / "recompute", "--num-rollout", "1", "--num-steps-per-rollout", "2",
+                    "--use-lora", "--lr", "1e-2", "--diffusion-recompute-old-log-prob")
+    assert record["train/log_prob_max_abs_diff_per_step"][0] == 0.0
+    assert record["train/ratio_mean_per_step"][0] == 1.0
+    assert record["train/log_prob_max_abs_diff_per_step"][1] > 0.0  # control: the update moved the policy
+
+
+def test_resumed_nft_run_restores_its_ema(tiny_sd3, prompts, tmp_path):
+    args = ("--loss-type", "nft", "--diffusion-num-sde-steps", "0", "--num-rollout", "2", "--use-lora",
+            "--lora-rank", "4", "--lr", "1e-2", "--diffusion-guidance-scale", "1.0", "--ema-decay-init", "0.5")
+    full = run(tiny_sd3, prompts, tmp_path / "full", *args, "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    resumed = run(tiny_sd3, prompts, tmp_path / "resumed", *args, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "0")
+    assert [r["rollout_id"] for r in resumed] == [1]
+    # v_old comes from the EMA: only a restored EMA reproduces rollout 1.
+    assert without_times(resumed) == without_times(full)[1:]
+
+
+def test_config_output_never_shows_the_wandb_key():
+    result = run_cli_config("--hf-checkpoint", "sd3", "--rollout-batch-size", "1", "--wandb-key", "s3cr3t")
+    assert result.returncode == 0 and "s3cr3t" not in result.stdout and "wandb_key: <redacted>" in result.stdout
+
+
+def run_cli_config(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "miles_core.cli.main", "config", *args], capture_output=True, text=True)

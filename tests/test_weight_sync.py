@@ -43,14 +43,6 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_
 
 
 @pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory) -> Path:
-    from miles_sd3.family import SD3Family
-
-    # The name matches the sd3 family's patterns, so serve-engine finds the family itself.
-    return Path(SD3Family.build_tiny_pipeline(tmp_path_factory.mktemp("models") / "stable-diffusion-3-tiny"))
-
-
-@pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     path.write_text("\n".join(PROMPTS) + "\n")

@@ -22,10 +22,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
+SECRET_FLAGS = ("wandb_key",)
+"""Values never written out (config.yaml, ``miles-core config``, W&B)."""
+
+
 def config_document(config: Config) -> dict[str, Any]:
     document: dict[str, Any] = {}
     for group, values in config.as_dict().items():
-        document[group] = {dest: _plain(value) for dest, value in values.items()}
+        document[group] = {
+            dest: "<redacted>" if dest in SECRET_FLAGS and value else _plain(value) for dest, value in values.items()
+        }
     document["resolved"] = {
         "model_family": config.model_family,
         "world_size": config.world_size,

@@ -102,6 +102,7 @@ class _Resolver:
         self.resolve_family()
         self.resolve_batch()
         self.resolve_components()
+        self.resolve_debug()
         self.check_rules()
         self.check_ranges()
         self.check_step_selection()
@@ -318,6 +319,44 @@ class _Resolver:
         if self.v("custom_loss_function_path") is not None and self.v("loss_type") != "custom_loss":
             self.fail("--custom-loss-function-path is used only with --loss-type custom_loss")
 
+    # -- debug dumps and replays -------------------------------------------------------
+
+    def resolve_debug(self) -> None:
+        """``--dump-details DIR`` fills the save templates not given; a replay
+        (``--load-debug-rollout-data``) is a train-only run, as in the reference."""
+        c = self.config
+        details = self.v("dump_details")
+        if details:
+            for dest, sub in (("save_debug_rollout_data", "rollout_data"), ("save_debug_train_data", "train_data")):
+                if self.v(dest) is None:
+                    c.set(dest, str(Path(details) / sub / "{}.msgpack"), Source.DERIVED)
+        for dest in ("save_debug_rollout_data", "load_debug_rollout_data", "save_debug_train_data"):
+            template = self.v(dest)
+            if template is None:
+                continue
+            try:
+                paths = {template.format(i, rollout_id=i) for i in (0, 1)}
+            except (IndexError, KeyError, ValueError) as exc:
+                self.fail(f"{self.name(dest)} {template}: not a path template ({type(exc).__name__}: {exc}); use {{}} or {{rollout_id}}")
+                continue
+            if len(paths) == 1:
+                self.fail(f"{self.name(dest)} {template}: the template needs {{}} or {{rollout_id}} for the rollout id")
+        sft = self.v("loss_type") == "sft_loss"
+        if self.v("load_debug_rollout_data"):
+            if sft:
+                self.fail("--load-debug-rollout-data replays RL rollouts; --loss-type sft_loss trains on --prompt-data rows")
+            elif self.v("debug_rollout_only"):
+                self.fail("--load-debug-rollout-data replays saved rollouts for training; --debug-rollout-only does not train")
+            elif not self.v("train_only"):
+                c.set("train_only", True, Source.DERIVED)
+        elif self.v("train_only") and not sft and not self.v("debug_rollout_only"):  # that one: check_rules
+            self.fail("--train-only requires --load-debug-rollout-data (the saved rollouts to train on; no engine starts)")
+        fraction = self.v("load_debug_rollout_data_subsample")
+        if fraction is not None and not 0 < fraction <= 1:
+            self.fail(f"--load-debug-rollout-data-subsample {fraction}: must be in (0, 1] (the fraction of groups kept)")
+        if self.v("train_only") and not sft and self.v("eval_interval") is not None:
+            c.notes.append("--eval-interval is ignored under --train-only: no engine starts to evaluate with")
+
     # -- the reference's rules ----------------------------------------------------------
 
     def check_rules(self) -> None:
@@ -383,6 +422,10 @@ class _Resolver:
             value = self.v(dest)
             if value is not None and value <= 0:
                 self.fail(f"{self.name(dest)} {value}: must be positive")
+        if self.v("wandb_log_image_interval") is not None and self.v("wandb_log_image_interval") < 1:
+            self.fail(f"--wandb-log-image-interval {self.v('wandb_log_image_interval')}: must be at least 1")
+        if self.v("wandb_log_num_images") is not None and self.v("wandb_log_num_images") < 0:
+            self.fail(f"--wandb-log-num-images {self.v('wandb_log_num_images')}: must not be negative")
         for dest in ("adam_beta1", "adam_beta2"):
             value = self.v(dest)
             if not 0 <= value < 1:
@@ -454,5 +497,27 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
             f"--loss-type {loss} trains on SDE steps but --diffusion-num-sde-steps is 0 (no step would be "
             f"trained): set it, e.g. --diffusion-num-sde-steps {max(steps - 1, 1)} (every step but the last, as "
             f"flow_grpo trains) or 2 for a cheaper window"
+        )
+    if needs_sde and (config.diffusion_sde_type == "ode" or config.diffusion_noise_level == 0):
+        errors.append(
+            f"--loss-type {loss} needs stochastic steps, but --diffusion-sde-type {config.diffusion_sde_type} with "
+            f"--diffusion-noise-level {config.diffusion_noise_level} samples deterministically (no log-prob to train on)"
+        )
+    ref_mode = config.ref_mode
+    if ref_mode is None:  # the reference's automatic choice
+        ref_mode = "ema" if loss == "nft" else ("lora_base" if config.use_lora else "none")
+    if config.diffusion_kl_beta > 0 and ref_mode == "none":
+        errors.append(
+            f"--diffusion-kl-beta {config.diffusion_kl_beta} needs a reference policy: --use-lora (reference = "
+            "LoRA disabled) or --use-ema --ref-mode ema"
+        )
+    if ref_mode == "ema" and not config.use_ema and loss != "nft":
+        errors.append("--ref-mode ema requires --use-ema (the EMA is the reference)")
+    if loss == "nft" and config.diffusion_kl_beta > 0:
+        errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
+    if config.eval_config:
+        errors.append(
+            f"--eval-config {config.eval_config}: OmegaConf evaluation configs are not supported yet; "
+            "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
         )
     return errors

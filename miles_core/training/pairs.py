@@ -161,3 +161,20 @@ def collate(batch: Sequence[TrainPair]) -> dict[str, Any]:
             torch.stack([p.engine_velocity for p in batch]) if all(p.engine_velocity is not None for p in batch) else None
         ),
     }
+
+
+def on_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated micro-batch with its tensors on the model's device (the engine's
+    records come back on the CPU)."""
+    def move(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return value
+
+    moved = {key: move(value) for key, value in data.items() if key not in ("cond", "params")}
+    cond = data["cond"]
+    moved["cond"] = Conditioning(move(cond.positive), move(cond.negative))
+    moved["params"] = data["params"]
+    return moved

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -64,6 +65,10 @@ def _restore(config: Config, trainer: Any) -> int | None:
     if checkpoint.optimizer_state is not None and not config.no_load_optim:
         trainer.optimizer.load_state_dict(checkpoint.optimizer_state)
     trainer.optimizer_steps = int(checkpoint.extra.get("optimizer_steps", 0))
+    if trainer.ema is not None:
+        if "ema" not in checkpoint.extra:
+            raise RunError(f"--load {checkpoint.path}: this run keeps an EMA but the checkpoint has none")
+        trainer.ema.load_state_dict(checkpoint.extra["ema"])
     if not config.no_load_rng:
         restore_rng(checkpoint.rng_state)
     return checkpoint.rollout_id + 1
@@ -78,7 +83,8 @@ def _save(config: Config, trainer: Any, rollout_id: int) -> None:
         optimizer_state=None if config.no_save_optim else trainer.optimizer.state_dict(),
         rng_state=capture_rng(),
         extra={"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora),
-               "loss_type": config.loss_type},
+               "loss_type": config.loss_type,
+               **({"ema": trainer.ema.state_dict()} if trainer.ema is not None else {})},
     )
 
 
@@ -97,16 +103,20 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     from miles_core.cli.config_command import config_document
     from miles_core.plugin_manager import get_host
     from miles_core.training.lr_schedule import from_config as lr_schedule_from_config
+    from miles_core.training.metrics_logging import Progress, metrics_logger, require_wandb
     from miles_core.training.trainer import Trainer
 
-    if not config.prompt_data:
-        raise RunError("--prompt-data is required: a JSONL file with one prompt per line")
     sft = config.loss_type == "sft_loss"
+    replay = bool(config.load_debug_rollout_data)  # saved rollouts instead of an engine
+    if not config.prompt_data and not replay:
+        raise RunError("--prompt-data is required: a JSONL file with one prompt per line")
+    require_wandb(config)
+    records: list[Any] = []
     if sft:
         from miles_core.training.sft import load_sft_rows
 
-        records: list[Any] = load_sft_rows(config.prompt_data, input_key=config.input_key, image_key=config.sft_image_key)
-    else:
+        records = load_sft_rows(config.prompt_data, input_key=config.input_key, image_key=config.sft_image_key)
+    elif config.prompt_data:
         from miles_core.rollout.data import load_prompts
 
         records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
@@ -116,34 +126,45 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
         torch.use_deterministic_algorithms(True)
     host = get_host()
     loss_fn = host.registries.loss.get(config.loss_type).load()
-    engine = None if sft else _engine(config)
-    # The embedded engine shares its modules with the trainer; a remote one gets weight syncs.
+    engine = None if sft or config.train_only else _engine(config)
+    # The embedded engine shares its modules with the trainer; a remote one gets weight
+    # syncs; with no engine (SFT, a replay) the trainer loads the family itself.
     family = engine.family if isinstance(engine, EmbeddedEngine) else _load_family(config)
     trainer = Trainer(family, config, _backend(config), loss_fn)
     resumed = _restore(config, trainer)
     start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
     out = output_directory(config, start if resumed is not None else None)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_document(config), sort_keys=False), encoding="utf-8")
+    document = config_document(config)
+    (out / "config.yaml").write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
     schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
+    progress = Progress()
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
         if sft:
-            loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts)
+            loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts, progress)
         else:
-            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, start, total_rollouts, out)
+            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, start, total_rollouts, out, progress)
         first: dict[str, Any] = {}
+        logger = None
+        failed = True
         try:
-            async for metrics in loop:
+            logger = metrics_logger(config, document, out)
+            async for metrics, samples in loop:
                 first = first or metrics
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
+                if logger is not None:
+                    logger.log(metrics, samples)
                 log(_summary(metrics, total_rollouts))
                 rollout_id = metrics["rollout_id"]
                 last = rollout_id + 1 == total_rollouts
                 if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
                     _save(config, trainer, rollout_id)
+            failed = False
         finally:
             if engine is not None:
                 await engine.close()
+            if logger is not None:
+                logger.finish(exit_code=1 if failed else 0)
     _save_weights(config, trainer, out)
     for line in _final_summary(first, metrics if first else {}):
         log(line)
@@ -215,36 +236,42 @@ def _backend(config: Config) -> Any:
     return get_host().registries.sde_backend.get(config.diffusion_sde_type).load()
 
 
-async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, start: int, total: int, out: Path):
-    from miles_core.rollout.data import PromptSource
-    from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
+async def _rl_rollouts(
+    config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, start: int, total: int, out: Path,
+    progress: Any = None,
+):
+    """Yield ``(metrics, samples)`` per rollout: generate (or replay), score, train, sync."""
     from miles_core.training.advantages import advantages_from_config
-    from miles_core.training.rewards import RewardScorer
-
+    from miles_core.training.debug_data import load_rollout_data, save_rollout_data, save_train_data
     from miles_core.training.evaluation import Evaluator, save_grid
+    from miles_core.training.metrics_logging import Progress
     from miles_core.training.weight_sync import sync_to_engine
 
-    remote = not isinstance(engine, EmbeddedEngine)
+    progress = progress or Progress(enabled=False)
+
+    replay = engine is None  # --load-debug-rollout-data: no engine, no sync, no eval
+    remote = not replay and not isinstance(engine, EmbeddedEngine)
+    policy_weights = _rollout_policy_weights(config, trainer)
 
     async def sync_weights(pending: dict[str, float]) -> dict[str, float]:
         """Sync to a remote engine; a record's sync metrics add up the syncs since the last one."""
-        synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
+        with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
+            synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
         return {key: pending.get(key, 0) + value for key, value in synced.items()}
 
     # A remote engine starts from the trainer's weights (checkpoint, LoRA, or a resumed run's).
     pending_sync = await sync_weights({}) if remote else {}
     weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
-    scorer = RewardScorer(config)
-    settings = RolloutSettings.from_config(config)
-    strategy = strategy_from_config(config)
-    source = PromptSource(records, batch_size=config.rollout_batch_size, seed=config.rollout_seed)
-    evaluator = Evaluator(config, engine, scorer) if config.eval_interval else None
+    rollouts = None if replay else _RolloutSource(config, engine, records, progress, total)
+    engine_weights = nullcontext if remote else policy_weights  # the embedded engine samples the trainer's modules
+    evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
     samples_dir = out / "samples"
     pending_eval: dict[str, Any] = {}
     columns = config.n_samples_per_eval_prompt
 
     async def evaluate(tag: str) -> dict[str, Any]:
-        result = await evaluator.evaluate()
+        with engine_weights():
+            result = await evaluator.evaluate()
         for name, images in result.images.items():
             save_grid(images, samples_dir / f"eval_{name}_{tag}.png", columns)
             if evaluator.first is not result:
@@ -258,17 +285,29 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
         pending_eval = await evaluate(f"{start:05d}_before")
     for rollout_id in range(start, total):
         began = time.perf_counter()
-        groups = await generate_rollout(
-            engine, settings, rollout_id, source.batch(rollout_id), strategy, epoch=source.epoch_of(rollout_id)
-        )
-        samples = [sample for group in groups for sample in group]
-        generated = time.perf_counter()
-        rewards = await scorer.score(samples)
+        if replay:
+            samples, rewards = load_rollout_data(
+                config.load_debug_rollout_data, rollout_id,
+                subsample=config.load_debug_rollout_data_subsample, seed=config.rollout_seed,
+            )
+            generated = time.perf_counter()
+        else:
+            with engine_weights():
+                samples = await rollouts.generate(rollout_id)
+            generated = time.perf_counter()
+            rewards = await rollouts.scorer.score(samples)
+            if config.save_debug_rollout_data:
+                save_rollout_data(config.save_debug_rollout_data, rollout_id, samples, rewards)
         advantages = advantages_from_config(rewards, config, samples)
         scored = time.perf_counter()
         metrics: dict[str, Any] = {"rollout_id": rollout_id}
         if not config.debug_rollout_only:
-            metrics.update(trainer.train_rollout(samples, advantages, lr_at))
+            unit = "step" if config.loss_type == "nft" else "micro-batch"
+            with progress.training(trainer, f"train {rollout_id + 1}/{total}", unit):
+                metrics.update(trainer.train_rollout(samples, advantages, lr_at))
+            if config.save_debug_train_data:
+                save_train_data(config.save_debug_train_data, rollout_id, samples, rewards, advantages,
+                                trainer.last_pairs, metrics)
         trained = time.perf_counter()
         if remote:
             if weights_change:
@@ -293,10 +332,54 @@ async def _rl_rollouts(config: Config, engine: Any, trainer: Any, records: list,
         pending_eval = {}
         if evaluator is not None and ((rollout_id + 1) % config.eval_interval == 0 or rollout_id + 1 == total):
             metrics.update(await evaluate(f"{rollout_id + 1:05d}"))
-        yield metrics
+        yield metrics, samples
 
 
-async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, start: int, total: int):
+def _rollout_policy_weights(config: Config, trainer: Any) -> Callable[[], Any]:
+    """A context-manager factory: under ``--ema-rollout-policy ema`` the trainer's modules
+    hold the EMA weights inside it (restored bit for bit after), otherwise nothing."""
+    if config.ema_rollout_policy != "ema":
+        return nullcontext
+    if trainer.ema is None:
+        raise RunError("--ema-rollout-policy ema requires --use-ema")
+    return lambda: trainer.ema.swap_into(trainer.named_trainable())
+
+
+class _RolloutSource:
+    """Prompts, the engine and the reward of a run: one rollout's scored-ready samples
+    per :meth:`generate`, with a progress bar over its microgroups."""
+
+    def __init__(self, config: Config, engine: Any, records: list, progress: Any, total: int) -> None:
+        from miles_core.rollout.data import PromptSource
+        from miles_core.rollout.generate import RolloutSettings, strategy_from_config
+        from miles_core.training.rewards import RewardScorer
+
+        self.config = config
+        self.engine = engine
+        self.progress = progress
+        self.total = total
+        self.scorer = RewardScorer(config)
+        self.settings = RolloutSettings.from_config(config)
+        self.strategy = strategy_from_config(config)
+        self.source = PromptSource(records, batch_size=config.rollout_batch_size, seed=config.rollout_seed)
+
+    async def generate(self, rollout_id: int) -> list[Any]:
+        from miles_core.rollout.generate import generate_rollout
+
+        prompts = self.source.batch(rollout_id)
+        per_group = math.ceil(self.settings.n_samples_per_prompt / self.settings.rollout_microgroup_size)
+        with self.progress.phase(f"rollout {rollout_id + 1}/{self.total}", len(prompts) * per_group, "microgroup") as bar:
+            async def advance(_: list[Any]) -> None:
+                bar.update(1)
+
+            groups = await generate_rollout(
+                self.engine, self.settings, rollout_id, prompts, self.strategy,
+                epoch=self.source.epoch_of(rollout_id), on_microgroup=advance,
+            )
+        return [sample for group in groups for sample in group]
+
+
+async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, start: int, total: int, progress: Any):
     from miles_core.rollout.data import PromptSource
     from miles_core.training.sft import sft_params
 
@@ -305,9 +388,10 @@ async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, st
     for rollout_id in range(start, total):
         began = time.perf_counter()
         metrics: dict[str, Any] = {"rollout_id": rollout_id}
-        metrics.update(trainer.train_sft(source.batch(rollout_id), params, lr_at))
+        with progress.training(trainer, f"train {rollout_id + 1}/{total}", "step"):
+            metrics.update(trainer.train_sft(source.batch(rollout_id), params, lr_at))
         metrics["perf/train_time"] = metrics["perf/step_time"] = time.perf_counter() - began
-        yield metrics
+        yield metrics, ()
 
 
 def _save_weights(config: Config, trainer: Any, out: Path) -> None:

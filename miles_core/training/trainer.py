@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,7 +20,15 @@ from miles_core.engine.sampler import ConditioningCache
 from miles_core.family import Conditioning, ModelFamily
 from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
-from miles_core.training.pairs import TrainPair, build_pairs, collate, conditioning_from_env, micro_batches, params_from_env
+from miles_core.training.pairs import (
+    TrainPair,
+    build_pairs,
+    collate,
+    conditioning_from_env,
+    micro_batches,
+    on_device,
+    params_from_env,
+)
 
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
@@ -72,6 +80,12 @@ class Trainer:
         self.optimizer_steps = 0
         self.prompt_cache = ConditioningCache(max_entries=4096)
         """SFT prompt encodings (frozen text encoders): each prompt is encoded once."""
+        self.on_progress: Callable[[int, int], None] | None = None
+        """Called as ``(done, total)`` during a rollout's training: after each micro-batch
+        (policy loss) or optimizer step (nft, SFT); the run's progress bar."""
+        self._progress = [0, 0]
+        self.last_pairs: list[TrainPair] = []
+        """The train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
         self.ema = None
         if config.use_ema or config.loss_type == "nft":
             # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
@@ -79,6 +93,18 @@ class Trainer:
             from miles_core.training.ema import EMA
 
             self.ema = EMA.from_config(config, self.named_trainable())
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clip to ``--clip-grad``; a non-finite norm stops the run instead of writing
+        NaN into the weights."""
+        clip = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters, clip)
+        if not torch.isfinite(norm):
+            raise FloatingPointError(
+                f"non-finite gradient norm ({float(norm)}) at optimizer step {self.optimizer_steps}; "
+                "the weights were not updated (lower --lr, or check the reward and advantages)"
+            )
+        return norm
 
     def named_trainable(self) -> dict[str, torch.Tensor]:
         """Trainable parameters as ``component.parameter`` names (EMA, checkpoints)."""
@@ -88,6 +114,21 @@ class Trainer:
             for name, parameter in module.named_parameters()
             if parameter.requires_grad
         }
+
+    def _progress_start(self, total: int) -> None:
+        self._progress = [0, total]
+
+    def _progress_tick(self) -> None:
+        self._progress[0] += 1
+        if self.on_progress is not None:
+            self.on_progress(*self._progress)
+
+    def _window_size(self, count: int) -> int:
+        """Samples per optimizer step: ``--global-batch-size`` for a full rollout (the
+        config guarantees ``rollout size = global batch x steps``); a subsampled replay
+        (``--load-debug-rollout-data-subsample``) spreads the samples it has over the same
+        ``--num-steps-per-rollout`` steps."""
+        return max(1, math.ceil(count / self.config.num_steps_per_rollout))
 
     def _after_optimizer_step(self) -> None:
         if self.ema is not None:
@@ -128,6 +169,7 @@ class Trainer:
         gbs = config.global_batch_size
         per_step: dict[str, list[float]] = defaultdict(list)
         primary = self.family.latent_streams[0]
+        self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
             window = rows[step * gbs : (step + 1) * gbs]
             if lr_at is not None:
@@ -151,7 +193,7 @@ class Trainer:
                 for key, value in metrics.items():
                     if key != "loss":
                         sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+            grad_norm = self._clip_gradients()
             self.optimizer.step()
             self.optimizer_steps += 1
             self._after_optimizer_step()
@@ -159,6 +201,7 @@ class Trainer:
             sums["lr"] = self.optimizer.param_groups[0]["lr"]
             for key, value in sums.items():
                 per_step[key].append(value)
+            self._progress_tick()
         result: dict[str, Any] = {}
         for key, values in per_step.items():
             result[f"train/{key}"] = sum(values) / len(values)
@@ -174,9 +217,11 @@ class Trainer:
         ``v_old`` from the EMA ("old") policy. Noise and permutations come from a
         generator seeded by ``(--seed, optimizer step)``."""
         config = self.config
-        gbs = config.global_batch_size
+        gbs = self._window_size(len(samples))
         primary = self.family.latent_streams[0]
         per_step: dict[str, list[float]] = defaultdict(list)
+        self.last_pairs = []
+        self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
             window = list(range(step * gbs, min((step + 1) * gbs, len(samples))))
             if lr_at is not None:
@@ -186,6 +231,8 @@ class Trainer:
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
             items = []
             for index in window:
+                if samples[index].remove_sample:
+                    continue  # removed by a per-sample filter: counted for advantages only
                 output = samples[index].output
                 trajectory = output.dit_trajectory
                 steps = int(trajectory["timesteps"].shape[0])
@@ -226,7 +273,7 @@ class Trainer:
                     if key != "loss":
                         sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
             if not config.debug_skip_optimizer_step:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+                grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 self.optimizer_steps += 1
                 self._after_optimizer_step()
@@ -234,6 +281,7 @@ class Trainer:
             sums["lr"] = self.optimizer.param_groups[0]["lr"]
             for key, value in sums.items():
                 per_step[key].append(value)
+            self._progress_tick()
         result: dict[str, Any] = {}
         for key, values in per_step.items():
             result[f"train/{key}"] = sum(values) / len(values)
@@ -252,9 +300,19 @@ class Trainer:
         pairs = build_pairs(samples, advantages, self.family.latent_streams)
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
-        gbs = config.global_batch_size
-        for step in range(config.num_steps_per_rollout):
-            window = [p for p in pairs if step * gbs <= p.sample_index < (step + 1) * gbs]
+        self.last_pairs = pairs
+        gbs = self._window_size(len(samples))
+        windows = [
+            [p for p in pairs if step * gbs <= p.sample_index < (step + 1) * gbs]
+            for step in range(config.num_steps_per_rollout)
+        ]
+        if config.diffusion_recompute_old_log_prob:
+            # Window by window, with the micro-batches training will use: the first
+            # step's ratio is then exactly 1.
+            for window in windows:
+                self._recompute_old_log_probs(window)
+        self._progress_start(sum(len(micro_batches(window, config)) for window in windows) if self.on_progress else 0)
+        for window in windows:
             metrics = self._optimizer_step(window, drift_by_step, lr_at)
             for key, value in metrics.items():
                 per_step[key].append(value)
@@ -268,6 +326,16 @@ class Trainer:
         result["train/num_pairs"] = len(pairs)
         return result
 
+    @torch.no_grad()
+    def _recompute_old_log_probs(self, pairs: list[TrainPair]) -> None:
+        """``--diffusion-recompute-old-log-prob``: the old policy's log-probs from the
+        trainer's own forward (before any update of this rollout) instead of the
+        engine's, so batch-geometry drift between the two never enters the ratio."""
+        for batch in micro_batches(pairs, self.config):
+            log_prob = self._log_prob(on_device(collate(batch), self.family.device))[0]
+            for pair, value in zip(batch, log_prob.tolist()):
+                pair.old_log_prob = value
+
     def _optimizer_step(self, pairs: list[TrainPair], drift_by_step: dict[int, list[float]], lr_at: Any) -> dict[str, float]:
         config = self.config
         skip = config.debug_skip_optimizer_step
@@ -278,8 +346,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         total = max(1, len(pairs))
+        # The loss is the mean over the pairs that are not masked (a removed sample still
+        # counted for its group's advantages, but trains nothing).
+        kept_total = max(1, sum(1 for p in pairs if p.loss_mask > 0))
         for batch in micro_batches(pairs, config):
-            data = collate(batch)
+            data = on_device(collate(batch), self.family.device)
             # The reference forward (which may swap weights) before the policy's graph exists.
             ref_mean = self._reference_mean(data) if config.diffusion_kl_beta > 0 else None
             with torch.set_grad_enabled(not skip):
@@ -294,7 +365,7 @@ class Trainer:
                     loss_batch.update(mean=mean[keep], ref_mean=ref_mean[keep], std=scale[keep])
                 if bool(keep.any()):
                     loss, metrics = self.loss_fn(loss_batch, config)
-                    weight = int(keep.sum()) / total
+                    weight = int(keep.sum()) / kept_total
                     if not skip:
                         (loss * weight).backward()
                     sums["loss"] += float(loss.detach()) * weight
@@ -310,8 +381,9 @@ class Trainer:
                 out = (velocity.detach() - data["engine_velocity"]).abs()
                 sums["model_output_mean_abs_diff"] += float(out.flatten(1).mean(1).sum()) / total
                 sums["model_output_max_abs_diff"] = max(sums["model_output_max_abs_diff"], float(out.max()))
+            self._progress_tick()
         if not skip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.clip_grad if config.clip_grad > 0 else math.inf)
+            grad_norm = self._clip_gradients()
             sums["grad_norm"] = float(grad_norm)
             self.optimizer.step()
             self.optimizer_steps += 1
