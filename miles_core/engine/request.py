@@ -195,8 +195,9 @@ class RolloutOutput:
     inference_time_s: float = 0.0
     peak_memory_mb: float = 0.0
     log_prob_fallbacks: int = 0
-    """Steps of this request whose fp32 log-prob was non-finite and was recomputed in
-    float64 (ours; sglang-diffusion does not send it)."""
+    """Rows x steps of this output's request whose fp32 log-prob was non-finite and was
+    recomputed in float64: a per-request count, repeated on each of its outputs (ours;
+    sglang-diffusion does not send it)."""
     extra_outputs: dict[str, Tensor] = field(default_factory=dict)
     """Further outputs of the family (LTX-2: ``audio``)."""
 

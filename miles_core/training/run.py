@@ -322,7 +322,8 @@ async def _rl_rollouts(
             "rollout/reward/raw_max": float(rewards.max()),
             "rollout/advantages/abs_mean": float(advantages.abs().mean()),
             "rollout/num_samples": len(samples),
-            "rollout/log_prob_fallbacks": sum(s.output.log_prob_fallbacks for s in samples),
+            # The count is per request: every output of a microgroup carries its request's total.
+            "rollout/log_prob_fallbacks": sum({s.output.request_id: s.output.log_prob_fallbacks for s in samples}.values()),
             "perf/rollout_time": generated - began,
             "perf/reward_time": scored - generated,
             "perf/train_time": trained - scored,
