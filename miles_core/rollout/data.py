@@ -11,7 +11,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 class PromptDataError(ValueError):
@@ -26,15 +26,16 @@ class PromptRecord:
     """Row number in the file (0-based), for tracing a sample back to its prompt."""
 
 
-def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRecord]:
-    path = Path(path)
+def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(file:line, object)`` for every non-blank line of a JSONL file; a file that
+    cannot be read, a line that is not JSON or not an object is a :class:`PromptDataError`
+    naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise PromptDataError(f"{path}: cannot read prompt data ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise PromptDataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    records: list[PromptRecord] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -45,6 +46,13 @@ def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: st
             raise PromptDataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(row, dict):
             raise PromptDataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        yield where, row
+
+
+def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRecord]:
+    path = Path(path)
+    records: list[PromptRecord] = []
+    for where, row in jsonl_rows(path):
         if input_key not in row:
             raise PromptDataError(f"{where}: no {input_key!r} key (set --input-key to the prompt's key)")
         prompt = row[input_key]

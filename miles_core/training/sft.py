@@ -9,7 +9,6 @@ use. No rollout engine is involved.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,7 +17,7 @@ import torch
 
 from miles_core.engine.request import RolloutRequest
 from miles_core.family import GenerationParams
-from miles_core.rollout.data import PromptDataError
+from miles_core.rollout.data import PromptDataError, jsonl_rows
 
 
 @dataclass(frozen=True)
@@ -30,15 +29,8 @@ class SftRow:
 def load_sft_rows(path: str | Path, *, input_key: str, image_key: str) -> list[SftRow]:
     path = Path(path)
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptDataError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get(input_key), str) or not isinstance(row.get(image_key), str):
+    for where, row in jsonl_rows(path):
+        if not isinstance(row.get(input_key), str) or not isinstance(row.get(image_key), str):
             raise PromptDataError(f"{where}: SFT rows need a string {input_key!r} and a string {image_key!r} (an image path)")
         image = (path.parent / row[image_key]).resolve()
         if not image.is_file():

@@ -106,6 +106,15 @@ class Trainer:
             )
         return norm
 
+    def _finish_step(self, sums: dict[str, float], *, skip: bool) -> None:
+        """Clip, step, update the EMA (unless ``skip``: the alignment probe), record lr."""
+        if not skip:
+            sums["grad_norm"] = float(self._clip_gradients())
+            self.optimizer.step()
+            self.optimizer_steps += 1
+            self._after_optimizer_step()
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+
     def named_trainable(self) -> dict[str, torch.Tensor]:
         """Trainable parameters as ``component.parameter`` names (EMA, checkpoints)."""
         return {
@@ -188,25 +197,14 @@ class Trainer:
                     {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config
                 )
                 weight = len(chunk) / len(window)
-                (loss * weight).backward()
-                sums["loss"] += float(loss.detach()) * weight
-                for key, value in metrics.items():
-                    if key != "loss":
-                        sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
-            grad_norm = self._clip_gradients()
-            self.optimizer.step()
-            self.optimizer_steps += 1
-            self._after_optimizer_step()
-            sums["grad_norm"] = float(grad_norm)
-            sums["lr"] = self.optimizer.param_groups[0]["lr"]
+                if not config.debug_skip_optimizer_step:
+                    (loss * weight).backward()
+                _accumulate(sums, loss, metrics, weight)
+            self._finish_step(sums, skip=config.debug_skip_optimizer_step)
             for key, value in sums.items():
                 per_step[key].append(value)
             self._progress_tick()
-        result: dict[str, Any] = {}
-        for key, values in per_step.items():
-            result[f"train/{key}"] = sum(values) / len(values)
-            result[f"train/{key}_per_step"] = values
-        return result
+        return _per_step_summary(per_step)
 
     # -- DiffusionNFT ----------------------------------------------------------------------
 
@@ -268,25 +266,12 @@ class Trainer:
                 weight = len(chunk) / len(items)
                 if not config.debug_skip_optimizer_step:
                     (loss * weight).backward()
-                sums["loss"] += float(loss.detach()) * weight
-                for key, value in metrics.items():
-                    if key != "loss":
-                        sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
-            if not config.debug_skip_optimizer_step:
-                grad_norm = self._clip_gradients()
-                self.optimizer.step()
-                self.optimizer_steps += 1
-                self._after_optimizer_step()
-                sums["grad_norm"] = float(grad_norm)
-            sums["lr"] = self.optimizer.param_groups[0]["lr"]
+                _accumulate(sums, loss, metrics, weight)
+            self._finish_step(sums, skip=config.debug_skip_optimizer_step)
             for key, value in sums.items():
                 per_step[key].append(value)
             self._progress_tick()
-        result: dict[str, Any] = {}
-        for key, values in per_step.items():
-            result[f"train/{key}"] = sum(values) / len(values)
-            result[f"train/{key}_per_step"] = values
-        return result
+        return _per_step_summary(per_step)
 
     # -- one rollout -----------------------------------------------------------------
 
@@ -316,10 +301,7 @@ class Trainer:
             metrics = self._optimizer_step(window, drift_by_step, lr_at)
             for key, value in metrics.items():
                 per_step[key].append(value)
-        result: dict[str, Any] = {}
-        for key, values in per_step.items():
-            result[f"train/{key}"] = sum(values) / len(values)
-            result[f"train/{key}_per_step"] = values
+        result = _per_step_summary(per_step)
         if drift_by_step:
             for k, values in sorted(drift_by_step.items()):
                 result[f"train/log_prob_abs_diff_step_{k}"] = sum(values) / len(values)
@@ -368,10 +350,7 @@ class Trainer:
                     weight = int(keep.sum()) / kept_total
                     if not skip:
                         (loss * weight).backward()
-                    sums["loss"] += float(loss.detach()) * weight
-                    for key, value in metrics.items():
-                        if key != "loss":
-                            sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
+                    _accumulate(sums, loss, metrics, weight)
             diff = (log_prob.detach() - data["old_log_prob"]).abs()
             sums["log_prob_mean_abs_diff"] += float(diff.sum()) / total
             sums["log_prob_max_abs_diff"] = max(sums["log_prob_max_abs_diff"], float(diff.max()))
@@ -382,13 +361,7 @@ class Trainer:
                 sums["model_output_mean_abs_diff"] += float(out.flatten(1).mean(1).sum()) / total
                 sums["model_output_max_abs_diff"] = max(sums["model_output_max_abs_diff"], float(out.max()))
             self._progress_tick()
-        if not skip:
-            grad_norm = self._clip_gradients()
-            sums["grad_norm"] = float(grad_norm)
-            self.optimizer.step()
-            self.optimizer_steps += 1
-            self._after_optimizer_step()
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        self._finish_step(sums, skip=skip)
         return dict(sums)
 
     def _log_prob(self, data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -439,3 +412,21 @@ class Trainer:
             sigma_max=data["sigma_max"],
         )
         return result.mean[self.family.latent_streams[0]]
+
+
+def _accumulate(sums: dict[str, float], loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:
+    """Add one micro-batch's loss and metrics, weighted by its share of the step."""
+    sums["loss"] += float(loss.detach()) * weight
+    for key, value in metrics.items():
+        if key != "loss":
+            sums[key] += float(value.detach() if torch.is_tensor(value) else value) * weight
+
+
+def _per_step_summary(per_step: dict[str, list[float]]) -> dict[str, Any]:
+    """``train/<key>`` (mean over the rollout's optimizer steps) and
+    ``train/<key>_per_step`` (the list)."""
+    result: dict[str, Any] = {}
+    for key, values in per_step.items():
+        result[f"train/{key}"] = sum(values) / len(values)
+        result[f"train/{key}_per_step"] = values
+    return result
