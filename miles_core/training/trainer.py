@@ -106,6 +106,20 @@ class Trainer:
             )
         return norm
 
+    def _add_micro_batch(self, sums: dict[str, float], loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:
+        """Backpropagate a micro-batch's share of the step's loss (not in the alignment
+        probe) and add its metrics."""
+        if not self.config.debug_skip_optimizer_step:
+            (loss * weight).backward()
+        _accumulate(sums, loss, metrics, weight)
+
+    def _end_step(self, sums: dict[str, float], per_step: dict[str, list[float]]) -> None:
+        """Finish an optimizer step and record its metrics."""
+        self._finish_step(sums, skip=self.config.debug_skip_optimizer_step)
+        for key, value in sums.items():
+            per_step[key].append(value)
+        self._progress_tick()
+
     def _finish_step(self, sums: dict[str, float], *, skip: bool) -> None:
         """Clip, step, update the EMA (unless ``skip``: the alignment probe), record lr."""
         if not skip:
@@ -197,13 +211,8 @@ class Trainer:
                     {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config
                 )
                 weight = len(chunk) / len(window)
-                if not config.debug_skip_optimizer_step:
-                    (loss * weight).backward()
-                _accumulate(sums, loss, metrics, weight)
-            self._finish_step(sums, skip=config.debug_skip_optimizer_step)
-            for key, value in sums.items():
-                per_step[key].append(value)
-            self._progress_tick()
+                self._add_micro_batch(sums, loss, metrics, weight)
+            self._end_step(sums, per_step)
         return _per_step_summary(per_step)
 
     # -- DiffusionNFT ----------------------------------------------------------------------
@@ -264,13 +273,8 @@ class Trainer:
                     config,
                 )
                 weight = len(chunk) / len(items)
-                if not config.debug_skip_optimizer_step:
-                    (loss * weight).backward()
-                _accumulate(sums, loss, metrics, weight)
-            self._finish_step(sums, skip=config.debug_skip_optimizer_step)
-            for key, value in sums.items():
-                per_step[key].append(value)
-            self._progress_tick()
+                self._add_micro_batch(sums, loss, metrics, weight)
+            self._end_step(sums, per_step)
         return _per_step_summary(per_step)
 
     # -- one rollout -----------------------------------------------------------------
@@ -348,9 +352,7 @@ class Trainer:
                 if bool(keep.any()):
                     loss, metrics = self.loss_fn(loss_batch, config)
                     weight = int(keep.sum()) / kept_total
-                    if not skip:
-                        (loss * weight).backward()
-                    _accumulate(sums, loss, metrics, weight)
+                    self._add_micro_batch(sums, loss, metrics, weight)
             diff = (log_prob.detach() - data["old_log_prob"]).abs()
             sums["log_prob_mean_abs_diff"] += float(diff.sum()) / total
             sums["log_prob_max_abs_diff"] = max(sums["log_prob_max_abs_diff"], float(diff.max()))

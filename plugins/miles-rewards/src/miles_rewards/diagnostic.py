@@ -13,34 +13,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from miles_rewards.pixels import to_float_frames
+from miles_rewards.pixels import FrameReward, to_float_frames
 
 
-class _FrameReward:
-    """Reward = mean over an output's frames of ``frame_score`` (``[C, H, W]`` float in ``[0, 1]``)."""
+class _FrameReward(FrameReward):
+    """Frames as ``[C, H, W]`` floats in ``[0, 1]``; RGB-only rewards refuse other channel counts."""
 
-    name = ""
     needs_rgb = False
 
-    def __init__(self, config: Any = None) -> None:
-        self.config = config
-
-    def frame_score(self, frame: np.ndarray) -> float:
-        raise NotImplementedError
-
-    def __call__(
-        self,
-        outputs: Sequence[Any],
-        prompts: Sequence[str] | None = None,
-        metadata: Sequence[dict[str, Any]] | None = None,
-    ) -> list[float]:
-        rewards = []
-        for output in outputs:
-            frames = to_float_frames(output)
-            if self.needs_rgb and frames.shape[1] != 3:
-                raise ValueError(f"{self.name} needs 3 (RGB) channels, got shape {tuple(output.shape)}")
-            rewards.append(float(np.mean([self.frame_score(frame) for frame in frames])))
-        return rewards
+    def frames(self, output: Any) -> Sequence[np.ndarray]:
+        frames = to_float_frames(output)
+        if self.needs_rgb and frames.shape[1] != 3:
+            raise ValueError(f"{self.name} needs 3 (RGB) channels, got shape {tuple(output.shape)}")
+        return frames
 
 
 class Brightness(_FrameReward):

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from miles_rewards.pixels import to_uint8_frames
+from miles_rewards.pixels import FrameReward, to_uint8_frames
 
 JPEG_QUALITY = 95
 
@@ -27,28 +27,21 @@ def jpeg_size_kb(frame: np.ndarray) -> float:
     return buffer.tell() / 1000.0
 
 
-class JpegIncompressibility:
+class JpegIncompressibility(FrameReward):
     """Reward = JPEG size in kB (larger is better)."""
 
+    name = "jpeg_incompressibility"
     sign = 1.0
 
-    def __init__(self, config: Any = None) -> None:
-        self.config = config
+    def frames(self, output: Any) -> Sequence[np.ndarray]:
+        return to_uint8_frames(output)
 
-    def __call__(
-        self,
-        outputs: Sequence[Any],
-        prompts: Sequence[str] | None = None,
-        metadata: Sequence[dict[str, Any]] | None = None,
-    ) -> list[float]:
-        rewards = []
-        for output in outputs:
-            sizes = [jpeg_size_kb(frame) for frame in to_uint8_frames(output)]
-            rewards.append(self.sign * float(np.mean(sizes)))
-        return rewards
+    def frame_score(self, frame: np.ndarray) -> float:
+        return self.sign * jpeg_size_kb(frame)
 
 
 class JpegCompressibility(JpegIncompressibility):
     """Reward = -(JPEG size in kB) (smaller files are better)."""
 
+    name = "jpeg_compressibility"
     sign = -1.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,3 +50,30 @@ def to_float_frames(output: Any) -> np.ndarray:
     if array.ndim == 3:
         array = array[:, None]
     return array.transpose(1, 0, 2, 3)  # [C, F, H, W] -> [F, C, H, W]
+
+
+class FrameReward:
+    """Base of the rewards that score each frame of an output and average over frames.
+
+    Subclasses set ``frames`` (how an output becomes frames) and implement
+    ``frame_score``; constructed with the run's configuration, called as
+    ``reward(outputs, prompts, metadata) -> list[float]``."""
+
+    name = ""
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def frames(self, output: Any) -> Sequence[np.ndarray]:
+        raise NotImplementedError
+
+    def frame_score(self, frame: np.ndarray) -> float:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        outputs: Sequence[Any],
+        prompts: Sequence[str] | None = None,
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> list[float]:
+        return [float(np.mean([self.frame_score(frame) for frame in self.frames(output)])) for output in outputs]
