@@ -98,8 +98,11 @@ def render(host: PluginHost) -> str:
             names = ", ".join(f"`{n}`" for n in (flag.name, *flag.aliases))
             if flag.type == "tristate":
                 names += f", `--no-{flag.name[2:]}`"
+            status = " *Hardware-only (see below).*" if flag.hardware else (
+                " *Not available in this version (see below).*" if flag.unavailable else "")
             out.append(
-                f"| {names} | {_cell(_type_text(entry, registry_names))} | `{_cell(default_text(flag))}` | {_cell(flag.help)} |"
+                f"| {names} | {_cell(_type_text(entry, registry_names))} | `{_cell(default_text(flag))}` "
+                f"| {_cell(flag.help)}{status} |"
             )
         out.append("")
     differing = [e for e in entries.values() if e.flag.differs]
@@ -112,6 +115,31 @@ def render(host: PluginHost) -> str:
         f"| `{e.flag.name}` | `{_cell(e.flag.reference_default or '')}` | `{_cell(default_text(e.flag))}` | {_cell(e.flag.differs or '')} |"
         for e in differing
     ]
+    hardware = [e for e in entries.values() if e.flag.hardware]
+    out += [
+        "",
+        "## Hardware-only flags\n",
+        "These flags need several GPUs or training ranks. On a machine without them (one "
+        "process, no GPU) a run accepts them and logs a note saying what the flag would do; "
+        "it is never silently ignored. This is the documented list the flag audit "
+        "(`tests/test_flag_audit.py`) accepts in place of a test of the flag's behaviour.",
+        "",
+        "| Flag | What it does on the hardware it needs |",
+        "|---|---|",
+    ]
+    out += [f"| `{e.flag.name}` | {_cell(e.flag.hardware[0].upper() + e.flag.hardware[1:])} |" for e in hardware]
+    unavailable = [e for e in entries.values() if e.flag.unavailable]
+    out += [
+        "",
+        "## Flags accepted but not available in this version\n",
+        "Accepted so that reference command lines and YAML files parse, but the feature is "
+        "not in this version: a value other than the default stops `train` with this "
+        "reason (and `config` prints it as a warning).",
+        "",
+        "| Flag | Why |",
+        "|---|---|",
+    ]
+    out += [f"| `{e.flag.name}` | {_cell(e.flag.unavailable[0].upper() + e.flag.unavailable[1:])}. |" for e in unavailable]
     out += [
         "",
         "`auto` values are resolved from the machine when the configuration is resolved: "

@@ -43,6 +43,9 @@ class GenerationParams:
     true_cfg_scale: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Family-specific parameters (``extra_sampling_params``, e.g. ``guidance_scale_2``)."""
+    flow_shift: float | None = None
+    """Flow-matching shift of the sampling schedule, ``σ' = s·σ / (1 + (s − 1)·σ)``
+    (``extra_sampling_params.flow_shift``); None: the checkpoint scheduler's own config."""
 
 
 @dataclass
@@ -160,6 +163,17 @@ class ModelFamily(abc.ABC):
     def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
         """The velocity for every stream, guidance included. ``timestep`` is ``[B]`` on
         the transformer's scale; rows are independent (the trainer mixes steps)."""
+
+    def denoiser_for(self, timestep: torch.Tensor | float, params: GenerationParams) -> str:
+        """The name (a key of :meth:`components`) of the trainable component that
+        predicts at ``timestep`` (one timestep, on the transformer's scale).
+
+        The trainer records it on every train pair and never puts pairs of two
+        denoisers in one micro-batch, so one forward runs one expert: Wan 2.2 answers
+        ``transformer`` at or above ``boundary_ratio x num_train_timesteps`` and
+        ``transformer_2`` below. Default: the first trainable component (families
+        with a single denoiser need not override it)."""
+        return next(iter(self.components()))
 
     @abc.abstractmethod
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:

@@ -57,11 +57,53 @@ def _subclass_of(ref: str) -> Callable[[Any], bool]:
     return check
 
 
+def _accepts(positional: int, *keywords: str) -> Callable[[Any], bool]:
+    """A callable that takes ``positional`` positional arguments (and these keywords)."""
+
+    def check(obj: Any) -> bool:
+        if not callable(obj):
+            return False
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            return True
+        try:
+            signature.bind(*([None] * positional), **{name: None for name in keywords})
+        except TypeError:
+            return False
+        return True
+
+    return check
+
+
+def _data_source_class(obj: Any) -> bool:
+    # The run builds it as cls(config, records) and calls these three (docs/customization.md).
+    return (
+        inspect.isclass(obj)
+        and all(callable(getattr(obj, name, None)) for name in ("batch", "state_dict", "load_state_dict"))
+        and _accepts(2)(obj)
+    )
+
+
 PATH_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "callable": (callable, "must be callable"),
+    "class": (inspect.isclass, "must be a class"),
     "async_callable": (_is_async_callable, "must be an async function ('async def rm(args, samples) -> list[float]')"),
     "sde_backend": (_subclass_of("miles_core.sde:SdeBackend"), "must be a subclass of miles_core.sde.SdeBackend"),
     "model_family": (_subclass_of("miles_core.family:ModelFamily"), "must be a subclass of miles_core.family.ModelFamily"),
+    # The run-level hooks of docs/customization.md; sync or async functions alike.
+    "rollout_function": (_accepts(4), "must be a function (config, rollout_id, engine, data_source) -> list[Sample]"),
+    "eval_function": (
+        _accepts(4, "evaluation"),
+        "must be a function (config, rollout_id, engine, data_source, *, evaluation) -> list[Sample]",
+    ),
+    "generate_function": (_accepts(2), "must be a function (engine, request) -> list[RolloutOutput]"),
+    "data_source": (
+        _data_source_class,
+        "must be a class built as cls(config, records) with batch(rollout_id), state_dict() and load_state_dict(state)",
+    ),
+    "log_function": (_accepts(4), "must be a function (rollout_id, config, samples, metrics) -> bool"),
+    "model_backend": (_accepts(1), "must be a function (config) -> miles_core.family.ModelFamily instance"),
 }
 """Dotted-path flag kinds: ``kind -> (check, rule)``."""
 
@@ -81,5 +123,22 @@ def resolve_path_flag(flag_name: str, path: str, kind: str) -> Any:
     except RefError as exc:
         raise PathFlagError(f"{flag_name} {path}: {exc}") from None
     if not check(obj):
-        raise PathFlagError(f"{flag_name} {path}: {rule}, got {type(obj).__name__} {obj!r}")
+        raise PathFlagError(f"{flag_name} {path}: {rule}, got {_describe(obj)}")
     return obj
+
+
+def _describe(obj: Any) -> str:
+    """``function f(a, b)`` for a callable (its signature is usually what is wrong)."""
+    if callable(obj):
+        try:
+            full = inspect.signature(obj)
+            # Parameter names only: annotations make the line long and say little here.
+            signature = str(full.replace(
+                parameters=[p.replace(annotation=p.empty) for p in full.parameters.values()],
+                return_annotation=full.empty,
+            ))
+        except (TypeError, ValueError):
+            signature = ""
+        name = getattr(obj, "__qualname__", None) or type(obj).__name__
+        return f"{'class' if inspect.isclass(obj) else type(obj).__name__} {name}{signature}"
+    return f"{type(obj).__name__} {obj!r}"

@@ -50,6 +50,15 @@ class Spec:
         return data
 
 
+FAMILY_GENERATION_OPTIONS: dict[str, str] = {
+    "num_frames": "--diffusion-output-num-frames",
+    "fps": "--diffusion-fps",
+    "guidance_scale_2": "--diffusion-guidance-scale-2",
+    "true_cfg_scale": "--diffusion-true-cfg-scale",
+}
+"""Generation settings only some families read: option -> the flag that sets it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFamilySpec(Spec):
     """A diffusion model family (DESIGN section 4). ``ref`` names a
@@ -73,6 +82,11 @@ class ModelFamilySpec(Spec):
     """``--diffusion-sde-type`` when the flag is unset."""
     supports_cfg_training: bool = True
     """Whether training-side forwards may apply classifier-free guidance."""
+    generation_options: tuple[str, ...] = ()
+    """Family-specific generation settings the family reads, among
+    :data:`FAMILY_GENERATION_OPTIONS` (``num_frames``, ``fps`` for video,
+    ``guidance_scale_2``, ``true_cfg_scale``). Setting the flag of one the family does
+    not list is a configuration error, not a silently ignored value."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +94,11 @@ class ModelFamilySpec(Spec):
             value = getattr(self, field)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"ModelFamilySpec {self.name!r}: {field} must be a tuple of strings")
+        unknown = [o for o in self.generation_options if o not in FAMILY_GENERATION_OPTIONS]
+        if unknown:
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: generation_options {unknown} not among {sorted(FAMILY_GENERATION_OPTIONS)}"
+            )
         if not self.trainable_components:
             raise ValueError(f"ModelFamilySpec {self.name!r}: trainable_components is empty")
         for field in ("n_samples_per_prompt", "rollout_microgroup_size"):

@@ -142,6 +142,7 @@ def test_bad_shapes():
 
 
 # ---------------------------------------------------------------- from the config
+@pytest.mark.exercises("--globalize-reward-mean", "--globalize-reward-std", "--disable-grpo-std-normalization")
 def test_config_flags_map_to_options():
     x = torch.tensor(REWARDS, dtype=F64)
     close(advantages_from_config(x, config()), expected(REWARDS, 4))
@@ -197,6 +198,7 @@ def _samples():
     return [SimpleNamespace(reward=r, remove_sample=False) for r in REWARDS]
 
 
+@pytest.mark.exercises("--custom-reward-post-process-path")
 def test_custom_post_process_replaces_normalisation():
     CALLS.clear()
     samples = _samples()

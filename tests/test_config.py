@@ -54,11 +54,13 @@ def test_neither_given_means_one_step():
         (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide 4 x 4 = 16"),
     ],
 )
+@pytest.mark.exercises("--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--num-steps-per-rollout")
 def test_batch_knob_violations_show_the_numbers(extra, expected):
     (message,) = errors_of(*SD35, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", *extra)
     assert expected in message
 
 
+@pytest.mark.exercises("--actor-num-gpus-per-node")
 def test_global_batch_must_divide_by_data_parallel_size():
     messages = errors_of(*SD35, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--actor-num-gpus-per-node", "3")
     assert messages == ["--global-batch-size 4 must be divisible by the data-parallel size 3"]
@@ -68,6 +70,7 @@ def test_rollout_batch_size_is_required():
     assert errors_of(*SD35) == ["--rollout-batch-size is required: prompts per rollout"]
 
 
+@pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_family_from_name_patterns_and_override():
     base = ["--rollout-batch-size", "1"]
     assert resolve("--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", *base, "--diffusion-guidance-scale-2", "3").model_family == "wan2_2"
@@ -78,6 +81,7 @@ def test_family_from_name_patterns_and_override():
     assert c.model_family == "sd3" and c.components["model_family"].provider.startswith("miles-sd3 ")
 
 
+@pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_unknown_or_unmatched_family_lists_installed():
     (message,) = errors_of("--hf-checkpoint", "/models/mystery", "--rollout-batch-size", "1")
     assert "no installed model family matches its name (installed: cosmos3, ltx, qwen_image, sd3, wan2_2)" in message
@@ -92,6 +96,7 @@ def test_family_and_pipeline_config_are_exclusive():
     assert "--train-pipeline-config-path and --diffusion-model-family are mutually exclusive" in messages
 
 
+@pytest.mark.exercises("--rollout-microgroup-size", "--diffusion-sde-type")
 def test_family_defaults_fill_unset_flags():
     c = resolve(*SD35, "--rollout-batch-size", "2", "--n-samples-per-prompt", "16")
     assert (c.rollout_microgroup_size, c.source("rollout_microgroup_size")) == (8, Source.FAMILY)
@@ -106,6 +111,7 @@ def test_family_defaults_fill_unset_flags():
     assert (c.diffusion_sde_type, c.source("diffusion_sde_type")) == ("sde", Source.COMMAND_LINE)
 
 
+@pytest.mark.exercises("--rollout-microgroup-size")
 def test_microgroup_limits():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "8")
     assert message == "--rollout-microgroup-size 8 exceeds --n-samples-per-prompt 4: a microgroup is part of one prompt's group"
@@ -114,6 +120,7 @@ def test_microgroup_limits():
     assert "the cosmos3 family supports at most 1 output(s) per request" in message
 
 
+@pytest.mark.exercises("--hf-checkpoint", "--diffusion-height", "--diffusion-width")
 def test_native_size_from_local_pipeline(tiny_sd3):
     c = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1")
     assert (c.diffusion_height, c.diffusion_width) == (64, 64)
@@ -131,7 +138,7 @@ def test_machine_auto_values(monkeypatch):
     assert c.source("distributed_backend") is Source.MACHINE
     monkeypatch.setattr("miles_core.config.resolve.visible_gpu_count", lambda: 4)
     c = resolve(*SD35, "--rollout-batch-size", "4", "--diffusion-forward-dtype", "fp32")
-    assert (c.actor_num_gpus_per_node, c.world_size, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (4, 4, "nccl", "fp32", "cuda")
+    assert (c.actor_num_gpus_per_node, c.world_size, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (4, 4, "nccl", "fp32", "cpu")
 
 
 def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
@@ -168,6 +175,7 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
         (["--rollout-engine", "sglang"], "--rollout-engine sglang: unknown rollout engine; installed: embedded, http"),
     ],
 )
+@pytest.mark.exercises("--over-sampling-batch-size", "--diffusion-noise-level", "--diffusion-sde-window-range", "--rollout-engine", "--rollout-engine-urls")
 def test_reference_rules(extra, expected):
     assert errors_of(*SD35, "--rollout-batch-size", "2", *extra) == [expected]
 
@@ -177,6 +185,7 @@ def test_every_violation_is_reported_at_once():
     assert len(messages) == 2 and all("\n" not in m for m in messages)
 
 
+@pytest.mark.exercises("--micro-batch-size-sample", "--micro-batch-size-tstep")
 def test_two_d_tile_derives_micro_batch_size():
     c = resolve(*SD35, "--rollout-batch-size", "2", "--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "3")
     assert (c.micro_batch_size, c.source("micro_batch_size")) == (6, Source.DERIVED)
@@ -200,6 +209,7 @@ def sync_rm(args, samples):
     return [0.0 for _ in samples]
 
 
+@pytest.mark.exercises("--sde-step-backend-path")
 def test_dotted_path_flags_are_validated():
     c = resolve(*SD35, "--rollout-batch-size", "1", "--custom-rm-path", "tests.test_config.good_rm")
     assert c.components["reward"].provider == "--custom-rm-path tests.test_config.good_rm"
@@ -229,6 +239,7 @@ def write(tmp_path, text):
     return str(path)
 
 
+@pytest.mark.exercises("--custom-config-path")
 def test_yaml_overrides_with_a_warning(tmp_path):
     path = write(tmp_path, """\
         rollout_batch_size: 6
@@ -279,6 +290,7 @@ def test_plugin_flags_exist_only_with_the_plugin():
     assert "pickscore_batch_size" not in resolve(*SD35, "--rollout-batch-size", "1", host=host)
 
 
+@pytest.mark.exercises("--diffusion-guidance-scale-2")
 def test_plugin_validation_hooks_run():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--ocr-num-workers", "0")
     assert message == "--ocr-num-workers 0: must be at least 1"
@@ -328,6 +340,7 @@ def test_help_is_grouped():
         assert f"\n{title}\n" in result.stdout, title
 
 
+@pytest.mark.exercises("--diffusion-num-sde-steps")
 def test_training_only_rules_warn_in_config_and_list_a_fix():
     from miles_core.config.resolve import training_errors
 
@@ -342,6 +355,7 @@ def test_training_only_rules_warn_in_config_and_list_a_fix():
     assert "warning: a training run would stop here: --loss-type policy_loss trains on SDE steps" in result.stderr
 
 
+@pytest.mark.exercises("--eval-config")
 def test_eval_config_is_refused_for_training_with_the_alternative():
     from miles_core.config.resolve import training_errors
 
@@ -361,6 +375,7 @@ def test_eval_config_is_refused_for_training_with_the_alternative():
         (["--loss-type", "nft", "--diffusion-kl-beta", "0.1"], "--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)"),
     ],
 )
+@pytest.mark.exercises("--diffusion-noise-level")
 def test_training_only_rules(extra, expected):
     from miles_core.config.resolve import training_errors
 

@@ -97,6 +97,7 @@ def test_shadow_is_float32_for_bf16_parameters():
     assert all(p.dtype == torch.bfloat16 for p in live.values())
 
 
+@pytest.mark.exercises("--ema-decay-init", "--ema-decay-ramp", "--ema-decay-max", "--ema-decay-flat-steps")
 def test_from_config_reads_the_flags():
     cfg = SimpleNamespace(ema_decay_init=0.05, ema_decay_ramp=0.02, ema_decay_max=0.7, ema_decay_flat_steps=3)
     ema = EMA.from_config(cfg, _params())

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from miles_core.config.resolve import resolve_config
@@ -43,6 +44,7 @@ def test_embedded_engine_from_config_runs_a_rollout(tiny_sd3):
     assert all(s.log_probs[:2].ne(0).all() and s.log_probs[2] == 0 for s in group)
 
 
+@pytest.mark.exercises("--sde-step-backend-path")
 def test_custom_sde_backend_path_is_served_under_its_path(tiny_sd3):
     path = "tests.test_engine_factory.HalfNoiseCps"
     config = config_for(tiny_sd3, "--sde-step-backend-path", path, "--diffusion-log-prob-no-const")
@@ -61,6 +63,7 @@ def test_custom_sde_backend_path_is_served_under_its_path(tiny_sd3):
     assert not torch.equal(group[0].pixels, other[0].pixels)
 
 
+@pytest.mark.exercises("--rollout-engine", "--rollout-engine-urls", "--sglang-server-concurrency")
 def test_http_engine_from_config():
     config = resolve_config([
         "--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "1",

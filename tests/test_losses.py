@@ -201,6 +201,7 @@ def test_registry():
     assert LOSSES == {"policy_loss": policy_loss, "nft": nft, "sft": sft, "custom_loss": custom_loss}
 
 
+@pytest.mark.exercises("--diffusion-clip-range")
 def test_policy_loss_adapter_matches_pure_function():
     batch = {
         "log_prob": torch.log(torch.tensor([1.5, 0.5])),
@@ -218,6 +219,7 @@ def test_policy_loss_adapter_matches_pure_function():
         policy_loss({**batch, "mean": torch.zeros(2, 1), "std": torch.ones(2)}, grpo_config(diffusion_kl_beta=0.1))
 
 
+@pytest.mark.exercises("--diffusion-kl-beta")
 def test_policy_loss_adapter_with_kl():
     batch = {
         "log_prob": torch.zeros(2), "old_log_prob": torch.zeros(2), "advantages": torch.tensor([1.0, 1.0]),
@@ -229,6 +231,7 @@ def test_policy_loss_adapter_with_kl():
     close(loss, -1.0 + 0.5 * kl)
 
 
+@pytest.mark.exercises("--diffusion-nft-beta", "--no-diffusion-nft-adaptive-weight")
 def test_nft_adapter_reads_flags():
     v_new, v_old, x_t, x0, sigma, adv = nft_inputs()
     batch = dict(v_new=v_new, v_old=v_old, x_t=x_t, x0=x0, sigma=sigma, advantages=adv)

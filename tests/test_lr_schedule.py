@@ -96,6 +96,7 @@ def test_wsd_style_defaults_to_megatrons_exponential():
 
 
 # ------------------------------------------------------------------ from_config
+@pytest.mark.exercises("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters")
 def test_decay_iters_default_to_the_runs_total_steps():
     s = from_config(config(lr_decay_style="linear"), total_steps=10)
     assert s.decay_iters == 10
@@ -105,6 +106,7 @@ def test_decay_iters_default_to_the_runs_total_steps():
     assert s.lr_at(2) == approx(MIN + 0.5 * (LR - MIN)) and s.lr_at(5) == MIN
 
 
+@pytest.mark.exercises("--lr-warmup-fraction", "--lr-warmup-init", "--lr-decay-iters")
 def test_warmup_fraction_is_of_the_decay_iters_and_wins_over_warmup_iters():
     s = from_config(config(lr_decay_style="cosine", lr_warmup_fraction=0.25, lr_warmup_iters=7), total_steps=20)
     assert s.warmup_iters == 5
@@ -117,6 +119,7 @@ def test_warmup_fraction_is_of_the_decay_iters_and_wins_over_warmup_iters():
     assert s.lr_at(2) == LR
 
 
+@pytest.mark.exercises("--lr-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-style")
 def test_from_config_wsd_flags():
     s = from_config(config(lr_decay_style="wsd", lr_wsd_decay_iters=4, lr_wsd_decay_style="linear"), total_steps=10)
     assert s.lr_at(6) == LR
@@ -158,6 +161,7 @@ def test_invalid_settings_are_one_line_errors(kwargs, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.exercises("--lr-warmup-iters", "--lr-warmup-init")
 def test_constant_allows_warmup_longer_than_a_short_run():
     s = from_config(config(lr_warmup_iters=10), total_steps=3)
     assert s.lr_at(2) == approx(INIT + (LR - INIT) * 2 / 10)

@@ -183,6 +183,7 @@ def test_results_do_not_depend_on_completion_order(engine: EmbeddedEngine, basel
     assert_same_samples(groups, baseline[0])
 
 
+@pytest.mark.exercises("--sglang-server-concurrency")
 def test_concurrency_bound_is_respected(engine: EmbeddedEngine, baseline) -> None:
     wrapped = RecordingEngine(engine, delays=[0.02] * 4)
     groups = rollout(wrapped, 0, settings(sglang_server_concurrency=1))
@@ -270,6 +271,7 @@ def test_load_prompts_reads_rows(tmp_path: Path) -> None:
     assert [(r.prompt, r.metadata, r.index) for r in records] == [("a cat", {"k": 1}, 0), ("a dog", {}, 1)]
 
 
+@pytest.mark.exercises("--input-key", "--metadata-key")
 def test_input_and_metadata_keys_are_honoured(tmp_path: Path) -> None:
     path = write(tmp_path, '{"caption": "a cat", "info": {"k": 2}, "input": "ignored", "metadata": {"k": 0}}\n')
     (record,) = load_prompts(path, input_key="caption", metadata_key="info")

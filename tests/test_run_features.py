@@ -18,18 +18,13 @@ import torch
 from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
 from miles_core.training.run import RunError, train
+from tests.tiny_runs import tiny_run_args
 
 TRAIN = ("--num-steps-per-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--deterministic-mode")
 
 
 def base_args(tiny_sd3, prompts, out):
-    return [
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", "4", "--diffusion-num-sde-steps", "2", "--diffusion-height", "32",
-        "--diffusion-width", "32", "--rm-type", "jpeg_incompressibility", "--output-dir", str(out),
-    ]
-
+    return tiny_run_args(tiny_sd3, prompts, out)
 
 def run(tiny_sd3, prompts, out, *extra, log=lambda line: None):
     config = resolve_config([*base_args(tiny_sd3, prompts, out), *extra])
@@ -85,6 +80,8 @@ def wandb_env(tmp_path, monkeypatch):
     return tmp_path / "wb"
 
 
+@pytest.mark.exercises("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-mode", "--disable-wandb-random-suffix",
+                         "--wandb-log-num-images", "--wandb-log-image-interval")
 def test_wandb_offline_run_logs_scalars_step_series_and_images(tiny_sd3, prompts, tmp_path, wandb_env):
     records = run(
         tiny_sd3, prompts, tmp_path / "run", "--num-rollout", "3", *TRAIN,
@@ -151,6 +148,7 @@ def test_wandb_video_is_a_pillow_gif(tmp_path, wandb_env):
         assert image.n_frames == 5 and image.size == (16, 16)
 
 
+@pytest.mark.exercises("--use-wandb")
 def test_missing_wandb_is_one_line_naming_the_flag_and_the_extra(tiny_sd3, prompts, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     config = resolve_config([*base_args(tiny_sd3, prompts, tmp_path / "run"), "--num-rollout", "1", "--use-wandb"])
@@ -163,6 +161,8 @@ def test_missing_wandb_is_one_line_naming_the_flag_and_the_extra(tiny_sd3, promp
 # -- debug data ---------------------------------------------------------------------------------
 
 
+@pytest.mark.exercises("--dump-details", "--load-debug-rollout-data", "--load-debug-rollout-data-subsample",
+                         "--save-debug-train-data", "--train-only")
 def test_replayed_rollouts_reproduce_the_train_metrics(tiny_sd3, prompts, tmp_path, monkeypatch):
     from miles_core.training import run as run_module
     from miles_core.training.debug_data import load_rollout_data, load_train_data
@@ -214,6 +214,7 @@ def test_replayed_rollouts_reproduce_the_train_metrics(tiny_sd3, prompts, tmp_pa
         "--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.5"))
 
 
+@pytest.mark.exercises("--load-debug-rollout-data")
 def test_a_missing_replay_file_is_one_line_naming_the_flag_and_path(tiny_sd3, prompts, tmp_path):
     template = str(tmp_path / "nothing" / "{}.msgpack")
     with pytest.raises(RunError) as error:
@@ -221,6 +222,8 @@ def test_a_missing_replay_file_is_one_line_naming_the_flag_and_path(tiny_sd3, pr
     assert str(error.value) == f"--load-debug-rollout-data {template}: {tmp_path / 'nothing' / '0.msgpack'} not found (rollout 0)"
 
 
+@pytest.mark.exercises("--train-only", "--dump-details", "--save-debug-rollout-data", "--save-debug-train-data",
+                         "--load-debug-rollout-data", "--load-debug-rollout-data-subsample")
 def test_debug_flags_resolve_and_refuse(tiny_sd3, prompts, tmp_path):
     base = base_args(tiny_sd3, prompts, tmp_path / "run")
     with pytest.raises(ConfigError) as error:
@@ -275,6 +278,8 @@ def outputs_of(template: str, rollout_id: int) -> list[torch.Tensor]:
     return [s.output.generated_output for s in samples]
 
 
+@pytest.mark.exercises("--use-ema", "--ema-rollout-policy")
+@pytest.mark.exercises("--debug-rollout-only", "--save-debug-rollout-data")
 def test_ema_rollout_policy_samples_with_the_ema_weights(tiny_sd3, prompts, tmp_path):
     """With decay 1 the EMA never leaves the initial weights, so sampling with it must
     reproduce, bit for bit, a run whose weights never train; sampling with the live

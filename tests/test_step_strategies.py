@@ -196,6 +196,7 @@ def test_select_steps_reads_the_flags():
                                 seed=123, epoch=4, rollout_seed=5)]
 
 
+@pytest.mark.exercises("--diffusion-sde-window-range", "--diffusion-num-sde-steps")
 def test_select_steps_on_a_resolved_config():
     config = resolve_config([*BASE, "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "3,6"])
     selection = select_steps(config, seed=7, epoch=0, strategy=sde_window)
@@ -285,6 +286,7 @@ def config_errors(*extra):
          "--diffusion-sde-candidate-steps 1,2,1: a step is repeated"),
     ],
 )
+@pytest.mark.exercises("--diffusion-num-steps", "--diffusion-num-sde-steps", "--diffusion-sde-window-range", "--diffusion-sde-candidate-steps")
 def test_config_step_rules(extra, expected):
     assert config_errors(*extra) == [expected]
 

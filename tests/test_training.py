@@ -10,23 +10,17 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.training.run import train
+from tests.tiny_runs import run_metrics, tiny_run_args
 
 
 def run(tiny_sd3, prompts, out, *extra):
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", "4", "--diffusion-num-sde-steps", "2", "--diffusion-height", "32",
-        "--diffusion-width", "32", "--rm-type", "jpeg_incompressibility", "--output-dir", str(out), *extra,
-    ])
-    path = asyncio.run(train(config, log=lambda line: None))
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
+    return run_metrics([*tiny_run_args(tiny_sd3, prompts, out), *extra])
 
 def without_times(records):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
 
 
+@pytest.mark.exercises("--diffusion-debug-mode")
 def test_alignment_probe_is_exactly_zero(tiny_sd3, prompts, tmp_path):
     (record,) = run(
         tiny_sd3, prompts, tmp_path / "probe", "--num-rollout", "1", "--debug-skip-optimizer-step",
@@ -42,6 +36,7 @@ def test_alignment_probe_is_exactly_zero(tiny_sd3, prompts, tmp_path):
     assert all(record[f"train/log_prob_abs_diff_step_{k}"] == 0.0 for k in range(2) if f"train/log_prob_abs_diff_step_{k}" in record)
 
 
+@pytest.mark.exercises("--diffusion-debug-mode")
 def test_alignment_probe_sees_a_perturbed_trainer_weight(tiny_sd3, prompts):
     """Control: the probe is not zero whatever the weights are."""
     from miles_core.engine.factory import create_engine
@@ -84,6 +79,7 @@ def test_clipping_acts_from_the_second_optimizer_step(tiny_sd3, prompts, tmp_pat
         assert second > 0.0
 
 
+@pytest.mark.exercises("--rollout-seed")
 def test_two_runs_with_the_same_seeds_give_identical_metrics(tiny_sd3, prompts, tmp_path):
     args = ("--num-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-3", "--deterministic-mode")
     first = run(tiny_sd3, prompts, tmp_path / "a", *args)
@@ -94,6 +90,7 @@ def test_two_runs_with_the_same_seeds_give_identical_metrics(tiny_sd3, prompts, 
     assert without_times(first) != without_times(third)
 
 
+@pytest.mark.exercises("--output-dir")
 def test_a_run_refuses_an_existing_run_directory(tiny_sd3, prompts, tmp_path):
     run(tiny_sd3, prompts, tmp_path / "once", "--num-rollout", "1")
     before = (tmp_path / "once" / "metrics.jsonl").read_text()
@@ -121,6 +118,7 @@ def test_train_command_errors_are_one_line(tiny_sd3, prompts, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.exercises("--use-lora")
 def test_saved_lora_loads_into_plain_diffusers_and_changes_the_output(tiny_sd3, prompts, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
@@ -186,6 +184,7 @@ def test_sft_rows_need_images(tiny_sd3, tmp_path):
         load_sft_rows(bad, input_key="input", image_key="image")
 
 
+@pytest.mark.exercises("--eval-interval", "--eval-prompt-data")
 def test_evaluation_is_a_paired_comparison(tiny_sd3, prompts, tmp_path):
     eval_args = ("--num-rollout", "2", "--eval-interval", "1", "--eval-prompt-data", "shapes", str(prompts),
                  "--n-samples-per-eval-prompt", "2", "--rm-type", "brightness")
@@ -203,6 +202,7 @@ def test_evaluation_is_a_paired_comparison(tiny_sd3, prompts, tmp_path):
                      "eval_shapes_before_after.png"]
 
 
+@pytest.mark.exercises("--save", "--save-interval", "--load", "--ckpt-step", "--no-load-optim")
 def test_resume_after_sigkill_gives_the_uninterrupted_metrics(tiny_sd3, prompts, tmp_path):
     import os
     import signal
@@ -248,6 +248,7 @@ def test_resume_after_sigkill_gives_the_uninterrupted_metrics(tiny_sd3, prompts,
     assert without_times(control)[1:] != without_times(full)[saved + 2:]
 
 
+@pytest.mark.exercises("--loss-type")
 def test_nft_run_trains_on_final_latents_with_an_ema_old_policy(tiny_sd3, prompts, tmp_path):
     records = run(tiny_sd3, prompts, tmp_path / "nft", "--loss-type", "nft", "--diffusion-num-sde-steps", "0",
                   "--num-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2",
@@ -284,6 +285,7 @@ def test_nft_trainer_old_policy_is_the_ema(tiny_sd3):
     assert torch.allclose(trainer.ema.shadow[name], torch.full_like(live[name], (1 - decay) * 0.5), atol=1e-6)
 
 
+@pytest.mark.exercises("--diffusion-kl-beta")
 def test_kl_to_the_lora_base_starts_at_zero_and_grows(tiny_sd3, prompts, tmp_path):
     (record,) = run(tiny_sd3, prompts, tmp_path / "kl", "--num-rollout", "1", "--num-steps-per-rollout", "2",
                     "--use-lora", "--lora-rank", "4", "--lr", "3e-2", "--diffusion-kl-beta", "0.04")
@@ -302,6 +304,7 @@ def test_recomputed_old_log_probs_make_the_first_ratio_exactly_one(tiny_sd3, pro
     assert record["train/log_prob_max_abs_diff_per_step"][1] > 0.0  # control: the update moved the policy
 
 
+@pytest.mark.exercises("--save", "--load", "--ckpt-step")
 def test_resumed_nft_run_restores_its_ema(tiny_sd3, prompts, tmp_path):
     args = ("--loss-type", "nft", "--diffusion-num-sde-steps", "0", "--num-rollout", "2", "--use-lora",
             "--lora-rank", "4", "--lr", "1e-2", "--diffusion-guidance-scale", "1.0", "--ema-decay-init", "0.5")

@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from miles_core import testing
-from miles_core.config.resolve import resolve_config
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.http import HttpEngine
 from miles_core.engine.server import create_app
-from miles_core.training.run import train
 from miles_core.training.weight_sync import (
     WeightSyncError,
     engine_weights,
@@ -37,6 +35,7 @@ from miles_core.weights import (
     named_tensors_checksum,
 )
 from tests.test_server import ServerThread, error_of, http, wait_healthy
+from tests.tiny_runs import run_metrics, tiny_run_args
 
 PROMPTS = ['{"input": "a red cube"}', '{"input": "a blue ball"}']
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "init_lora_weights": "gaussian"}
@@ -87,15 +86,7 @@ def checksum_of(url: str, module: str = "transformer") -> str:
 
 
 def run_training(tiny_sd3, prompts, out, *extra):
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "1", "--diffusion-height", "32",
-        "--diffusion-width", "32", "--rm-type", "jpeg_incompressibility", "--output-dir", str(out), *extra,
-    ])
-    path = asyncio.run(asyncio.wait_for(train(config, log=lambda line: None), 120))
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
+    return run_metrics([*tiny_run_args(tiny_sd3, prompts, out, batch=1, n=2, steps=3, sde_steps=1), *extra], timeout=120)
 
 def trained_transformer(tiny_sd3, checkpoint_dir: Path):
     """The trainer's transformer at the end of a LoRA run, rebuilt from its checkpoint."""
@@ -231,6 +222,8 @@ def test_a_sync_the_engine_did_not_apply_names_the_url_and_module(server, tiny_s
 # -- (b, d) a LoRA run against an HTTP engine, full merged weights in small buckets -------------
 
 
+@pytest.mark.exercises("--update-weight-buffer-size", "--rollout-engine", "--rollout-engine-urls")
+@pytest.mark.exercises("--lora-rank", "--lora-alpha", "--lora-target-modules")
 def test_lora_run_syncs_merged_weights_in_buckets(server, tiny_sd3, prompts, tmp_path):
     url, engine = server
     before = checksum_of(url)
@@ -259,6 +252,7 @@ def test_lora_run_syncs_merged_weights_in_buckets(server, tiny_sd3, prompts, tmp
 # -- (c) LoRA-only ----------------------------------------------------------------------------
 
 
+@pytest.mark.exercises("--lora-ipc-weight-sync")
 def test_lora_only_run_creates_the_engine_adapter(server, tiny_sd3, prompts, tmp_path):
     url, engine = server
     before = checksum_of(url)

@@ -123,6 +123,13 @@ class Flag:
     """The miles-diffusion reference's default, when ours differs."""
     differs: str | None = None
     """Why our default differs from the reference's (rendered in ``docs/cli.md``)."""
+    hardware: str | None = None
+    """Hardware-only: what the flag does on the hardware it needs (GPUs, several ranks,
+    CUDA IPC). Set to a non-default value where that is missing, the run logs this as a
+    note instead of silently ignoring it. The documented list in ``docs/cli.md``."""
+    unavailable: str | None = None
+    """Why the flag is not available in this version: a non-default value is an error
+    for ``train`` (a warning for ``config``)."""
 
     def __post_init__(self) -> None:
         if not self.name.startswith("--") or self.name != self.name.lower() or "_" in self.name:
@@ -133,6 +140,8 @@ class Flag:
             raise ValueError(f"flag {self.name}: a {self.type} flag takes no nargs")
         if (self.reference_default is None) != (self.differs is None):
             raise ValueError(f"flag {self.name}: reference_default and differs go together")
+        if self.hardware and self.unavailable:
+            raise ValueError(f"flag {self.name}: hardware-only and unavailable are exclusive")
 
     @property
     def dest(self) -> str:

@@ -14,6 +14,7 @@ are not in this table.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from miles_core.config.flag import Flag
@@ -33,7 +34,7 @@ def _hook(group: str, name: str, help: str, path_kind: str = "callable", **extra
 
 _AUTO_GPUS = "The reference assumes 8-GPU nodes; auto uses the number of visible GPUs, and a single process on a CPU-only machine."
 
-FLAGS: tuple[Flag, ...] = (
+_TABLE: tuple[Flag, ...] = (
     # ------------------------------------------------------------------ general
     _f("general", "--custom-config-path", "str", None,
        "YAML file whose keys are loaded into the configuration after parsing; a key that collides with a flag overrides it (with a warning), so the YAML wins over the command line.",
@@ -157,9 +158,12 @@ FLAGS: tuple[Flag, ...] = (
     _hook("rollout", "--diffusion-step-strategy-path", "Which steps become train pairs; overrides the bare --diffusion-num-sde-steps selection."),
     _f("rollout", "--diffusion-log-prob-no-const", "bool", False, "Drop log-prob constants on the engine (pairs with the CPS backend)."),
     _f("rollout", "--diffusion-generator-device", "str", "auto",
-       "Device of the sampling random generator; auto picks cuda with GPUs and cpu without.",
-       auto=True, reference_default="cuda",
-       differs="A cuda generator needs a GPU; auto uses cuda when GPUs are visible and cpu on a CPU-only machine."),
+       "Device of the per-output noise generators; auto and cpu draw on the CPU (the model itself runs on a GPU when "
+       "one is visible). cuda is refused in this version.",
+       auto=True, choices=("auto", "cpu", "cuda"), reference_default="cuda",
+       differs="Noise is drawn with CPU generators on every machine, so an output's noise depends only on its seed: "
+               "the embedded engine, our server, sglang-diffusion with generator_device cpu and a rerun on other "
+               "hardware all draw the same latents."),
     _f("rollout", "--rollout-patch-group", "str", None, "Comma-separated numeric-parity patch groups, e.g. sgld,ltx."),
     _f("rollout", "--update-weight-target-module", "str", "transformer",
        "Comma-separated modules to train and sync (Wan2.2: transformer,transformer_2)."),
@@ -292,7 +296,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("checkpointing", "--load", "str", None, "Checkpoint directory to resume from."),
     _f("checkpointing", "--ckpt-step", "int", None, "Checkpoint step to load; defaults to latest_checkpointed_iteration.txt."),
     _f("checkpointing", "--no-load-optim", "bool", False, "Do not load optimizer state from the checkpoint."),
-    _f("checkpointing", "--no-load-rng", "bool", False, "Do not load RNG state from the checkpoint."),
+    _f("checkpointing", "--no-load-rng", "bool", False,
+       "Do not load RNG state from the checkpoint (the global python, numpy and torch generators; the run's own "
+       "sampling, step choice and prompt order use seeded generators of their own, so only plugin code drawing from "
+       "the global generators notices)."),
     # ------------------------------------------------------------------ logging
     _f("logging", "--output-dir", "str", None,
        "Run directory: metrics.jsonl (one record per rollout), the resolved config.yaml and sample grids; unset: runs/<timestamp>.",
@@ -348,5 +355,64 @@ FLAGS: tuple[Flag, ...] = (
     _f("ci", "--ci-test", "bool", False, "CI run (used by tests/e2e); not for manual runs."),
     _f("ci", "--ci-metric-checker-key", "str", None, "CI: metric the checker asserts on."),
     _f("ci", "--ci-metric-checker-threshold", "float", None, "CI: threshold the checked metric must reach."),
+)
+
+HARDWARE_ONLY: dict[str, str] = {
+    "--rollout-num-gpus": "reserves GPUs for the rollout engines (and, for train-only SFT, the encoders) apart from the trainer's.",
+    "--rollout-num-gpus-per-engine": "gives each engine several GPUs (sglang-diffusion's tensor / sequence parallelism inside one server).",
+    "--num-gpus-per-node": "caps the GPUs the job may use per node when engines and trainers are placed.",
+    "--colocate": "shares the same GPUs between trainer and engines, taking turns (the precondition for CUDA-IPC weight sync).",
+    "--colocate-reward": "places reward actors on the rollout GPUs next to colocated engines and trainer.",
+    "--offload": "turns on --offload-train and --offload-rollout.",
+    "--offload-train": "moves the trainer's weights and optimizer state off the GPU while the engines generate.",
+    "--offload-rollout": "releases the engines' GPU memory while the trainer trains.",
+    "--distributed-backend": "chooses the torch.distributed backend of the training ranks' process group.",
+    "--distributed-timeout-minutes": "bounds how long the training ranks' collectives may wait.",
+    "--dp-replicate-size": "splits the data-parallel ranks into replicas of FSDP2 shard groups (hybrid sharding).",
+    "--sequence-parallel-size": "splits one sample's sequence across GPUs (Ulysses x ring attention).",
+    "--ulysses-degree": "sets the Ulysses share of sequence parallelism.",
+    "--fsdp-reduce-dtype": "sets the precision of the gradient reduce-scatter across data-parallel ranks.",
+    "--fsdp-cpu-offload": "keeps FSDP2's parameters, gradients and optimizer state in CPU memory between uses on the GPU.",
+    "--fsdp-cpu-backend": "names the process-group backend for the CPU-offloaded optimizer step.",
+}
+"""The documented hardware-only flags: flag -> what it does on the hardware it needs
+(several GPUs or ranks). Where that hardware is missing (a single process on a CPU-only
+machine), setting one is logged as a note; ``docs/cli.md`` lists them."""
+
+_LATER_FLEET = "engine fleets with routing and fault tolerance are not in this version (they come with multi-engine runs)"
+_LATER_REWARDS = "reward plumbing beyond one registered reward or --custom-rm-path is not in this version"
+
+UNAVAILABLE: dict[str, str] = {
+    "--fsdp-master-dtype": "separate master weights come with the FSDP2 trainer; this version keeps the trainable "
+                           "parameters and the optimizer state in --diffusion-forward-dtype (fp32 without GPUs)",
+    "--use-distributed-post": "HTTP posts through per-node Ray actors need the Ray runtime, not in this version",
+    "--rollout-patch-group": "numeric-parity patch groups apply to sglang-diffusion servers, and --rollout-engine sglang "
+                             "is not in this version",
+    "--use-miles-router": _LATER_FLEET,
+    "--miles-router-timeout": _LATER_FLEET,
+    "--miles-router-max-connections": _LATER_FLEET,
+    "--miles-router-health-check-failure-threshold": _LATER_FLEET,
+    "--use-fault-tolerance": _LATER_FLEET,
+    "--rollout-health-check-interval": _LATER_FLEET,
+    "--rollout-health-check-timeout": _LATER_FLEET,
+    "--rollout-health-check-first-wait": _LATER_FLEET,
+    "--rollout-parser-num-workers": "parsing responses in Ray actors needs the Ray runtime, not in this version; "
+                                    "responses are decoded in the run's own process",
+    "--reward-key": _LATER_REWARDS + " (dict-valued rewards)",
+    "--eval-reward-key": _LATER_REWARDS + " (dict-valued rewards)",
+    "--group-rm": _LATER_REWARDS + " (group reward models)",
+    "--dynamic-sampling-filter-path": "rollout filters are not in this version",
+    "--rollout-sample-filter-path": "rollout filters are not in this version",
+    "--buffer-filter-path": "rollout filters are not in this version",
+    "--sft-frame-stride": "video SFT rows come with the video model families, not in this version; image rows have no frames",
+    "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
+                             "use --use-wandb (offline mode works without a network) and metrics.jsonl",
+    "--miles-dashboard-workspace": "the miles dashboard is a separate product that miles-core does not ship",
+}
+"""Flags accepted for compatibility whose feature is not in this version: flag -> why.
+A value other than the default is an error for ``train`` and a warning for ``config``."""
+
+FLAGS: tuple[Flag, ...] = tuple(
+    replace(flag, hardware=HARDWARE_ONLY.get(flag.name), unavailable=UNAVAILABLE.get(flag.name)) for flag in _TABLE
 )
 """Every reference flag, in ``--help`` group order and the reference's order within a group."""

@@ -13,6 +13,7 @@ import fnmatch
 from pathlib import Path
 from typing import Any, Sequence
 
+from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
 from miles_core.config.errors import ConfigError
 from miles_core.config.model import Component, Config, Source
@@ -20,6 +21,7 @@ from miles_core.config.parser import flag_entries, parse_command_line
 from miles_core.machine import visible_gpu_count
 from miles_core.plugin_manager import PluginHost, get_host
 from miles_core.refs import PathFlagError, resolve_path_flag
+from miles_core.specs import FAMILY_GENERATION_OPTIONS
 from miles_core.registry import ComponentLoadError
 
 
@@ -106,9 +108,11 @@ class _Resolver:
         self.check_rules()
         self.check_ranges()
         self.check_step_selection()
+        self.errors.extend(conflicting_flags(self.config))
         if self.errors:
             raise ConfigError(self.errors)
         self.config.freeze()
+        self.config.notes.extend(hardware_notes(self.config) + inert_notes(self.config))
         plugin_errors = self.host.validate(self.config)
         if plugin_errors:
             raise ConfigError(plugin_errors)
@@ -134,11 +138,16 @@ class _Resolver:
         auto_values = {
             "distributed_backend": "nccl" if gpus else "gloo",
             "diffusion_forward_dtype": "bf16" if gpus else "fp32",
-            "diffusion_generator_device": "cuda" if gpus else "cpu",
+            "diffusion_generator_device": "cpu",
         }
         for dest, value in auto_values.items():
             if self.v(dest) == "auto":
                 c.set(dest, value, Source.MACHINE)
+        if self.v("actor_num_nodes") < 1:
+            self.fail(f"--actor-num-nodes {self.v('actor_num_nodes')}: must be at least 1")
+        if self.v("diffusion_generator_device") == "cuda":
+            self.fail("--diffusion-generator-device cuda: this version draws every output's noise with a CPU "
+                      "generator, so the same seed gives the same latents on any device; use cpu (or auto)")
         if not self.errors:
             world = self.v("actor_num_nodes") * self.v("actor_num_gpus_per_node")
             sp = self.v("sequence_parallel_size")
@@ -181,6 +190,7 @@ class _Resolver:
         spec = None
         if custom:
             c.model_family = None
+            spec = self.base_family_spec(custom)
         elif family_name:
             if family_name not in registry:
                 return  # already reported by resolve_registry_choices
@@ -192,10 +202,30 @@ class _Resolver:
                 self.fail(str(exc))
                 return
             c.set("diffusion_model_family", spec.name, Source.DERIVED)
-        if spec is not None:
+        if spec is not None and not custom:
             c.model_family = spec.name
             c.components["model_family"] = Component.from_registration(registry.get(spec.name))
         self.resolve_family_defaults(spec)
+
+    def base_family_spec(self, path: str) -> Any:
+        """The registered family a ``--train-pipeline-config-path`` class derives from,
+        whose recipe defaults then apply; None for a class of its own (or a bad path,
+        which :meth:`resolve_components` reports)."""
+        try:
+            custom_cls = resolve_path_flag("--train-pipeline-config-path", path, "model_family")
+        except PathFlagError:
+            return None
+        for registration in self.host.registries.model_family:
+            try:
+                if issubclass(custom_cls, registration.load()):
+                    return registration.spec
+            except ComponentLoadError:
+                continue
+        self.config.notes.append(
+            f"--train-pipeline-config-path {path}: derives from no registered family, so no family recipe defaults "
+            "apply (microgroup size 1, --diffusion-sde-type sde, no default LoRA targets)"
+        )
+        return None
 
     def resolve_family_defaults(self, spec: Any) -> None:
         c = self.config
@@ -212,6 +242,12 @@ class _Resolver:
             c.set("diffusion_sde_type", spec.default_sde_type if spec else "sde", Source.FAMILY if spec else Source.DERIVED)
         if spec is None:
             return
+        for option, flag_name in FAMILY_GENERATION_OPTIONS.items():
+            dest = flag_name[2:].replace("-", "_")
+            default = self.config.flag(dest).default
+            if option not in spec.generation_options and self.v(dest) not in (None, default):
+                self.fail(f"{flag_name} {self.v(dest)}: the {spec.name} family does not read it "
+                          f"(it reads {', '.join(FAMILY_GENERATION_OPTIONS[o] for o in spec.generation_options) or 'none of the family-specific generation flags'})")
         if self.v("lora_target_modules") is None:
             c.set("lora_target_modules", list(spec.lora_target_modules), Source.FAMILY)
         if self.v("diffusion_height") is None or self.v("diffusion_width") is None:
@@ -390,6 +426,7 @@ class _Resolver:
             self.fail("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
         if v("lr_decay_style") == "wsd" and v("lr_wsd_decay_iters") is None:
             self.fail("--lr-decay-style wsd requires --lr-wsd-decay-iters")
+        self.check_schedule_ci_env_rules()
         urls = v("rollout_engine_urls")
         if v("rollout_engine") == "http" and not urls:
             self.fail("--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)")
@@ -398,12 +435,100 @@ class _Resolver:
                 self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")
         if v("num_rollout") is not None and v("num_epoch") is not None:
             self.config.notes.append("--num-epoch is ignored because --num-rollout is set (as in the reference)")
+        self.check_run_hooks()
+
+    def check_run_hooks(self) -> None:
+        """The rollout, data and logging hooks of docs/customization.md: the signature each
+        is called with, and when they apply."""
+        v = self.v
+        kinds = {
+            "rollout_function_path": "rollout_function", "eval_function_path": "eval_function",
+            "custom_generate_function_path": "generate_function", "data_source_path": "data_source",
+            "custom_rollout_log_function_path": "log_function", "custom_eval_rollout_log_function_path": "log_function",
+            "model_backend_path": "model_backend",
+        }
+        for dest, kind in kinds.items():
+            flag = self.name(dest)
+            if v(dest) is None or any(e.startswith(f"{flag} ") for e in self.errors):  # not importable: reported
+                continue
+            try:
+                resolve_path_flag(flag, v(dest), kind)
+            except PathFlagError as exc:
+                self.fail(str(exc))
+        rollout_fn, evaluates = v("rollout_function_path"), v("eval_interval") is not None
+        if rollout_fn and evaluates and v("eval_function_path") is None and not any(
+            e.startswith("--rollout-function-path ") for e in self.errors
+        ):
+            try:
+                resolve_path_flag("--rollout-function-path", rollout_fn, "eval_function")
+            except PathFlagError:
+                self.fail(
+                    f"--rollout-function-path {rollout_fn}: it also runs the evaluations (no --eval-function-path), "
+                    "so it must accept the keyword argument evaluation (True for an evaluation)"
+                )
+        prompts_from = v("data_source_path") or rollout_fn
+        if v("disable_rollout_global_dataset"):
+            if not prompts_from:
+                self.fail(
+                    "--disable-rollout-global-dataset: nothing would supply the prompts; give --data-source-path "
+                    "(a prompt source) or --rollout-function-path (a rollout that finds its own prompts)"
+                )
+            if v("num_rollout") is None:
+                self.fail("--disable-rollout-global-dataset requires --num-rollout (--num-epoch counts passes over --prompt-data)")
+            if v("prompt_data"):
+                self.config.notes.append("--prompt-data is not loaded under --disable-rollout-global-dataset")
+        generation = ("rollout_function_path", "eval_function_path", "custom_generate_function_path",
+                      "data_source_path", "disable_rollout_global_dataset")
+        logging = ("custom_rollout_log_function_path", "custom_eval_rollout_log_function_path")
+        given = [self.name(dest) for dest in (*generation, *logging) if v(dest) not in (None, False)]
+        if given and v("loss_type") == "sft_loss":
+            self.fail(f"{', '.join(given)}: RL rollout hooks; --loss-type sft_loss trains on --prompt-data rows with no rollout")
+        given = [self.name(dest) for dest in generation if v(dest) not in (None, False)]
+        if given and v("load_debug_rollout_data"):  # (the log functions still see the replayed rollouts)
+            self.config.notes.append(f"{', '.join(given)}: ignored under --load-debug-rollout-data (no rollout is generated)")
+        for dest in ("eval_function_path", "custom_eval_rollout_log_function_path"):
+            if v(dest) is not None and not evaluates:
+                self.config.notes.append(f"{self.name(dest)}: never called without --eval-interval (no evaluation runs)")
+
+    def check_schedule_ci_env_rules(self) -> None:
+        """Flow shifts, SFT encoders, the LR schedule on resume, the CI metric check and
+        the training environment."""
+        from miles_core.training.environment import train_env_vars_errors
+
+        v = self.v
+        sft = v("loss_type") == "sft_loss"
+        for dest in ("diffusion_flow_shift", "fsdp_flow_shift"):
+            value = v(dest)
+            if value is not None and not 0 < value < float("inf"):
+                self.fail(f"{self.name(dest)} {value}: must be a finite number > 0 (the shift divides by 1 + (s - 1)·σ)")
+        if v("fsdp_flow_shift") is not None and not sft:
+            self.fail("--fsdp-flow-shift applies to --loss-type sft_loss only: RL losses train on the sigmas the "
+                      "engine recorded (shape those with --diffusion-flow-shift)")
+        if v("diffusion_flow_shift") is not None and sft:
+            self.fail("--diffusion-flow-shift shapes the rollout engine's schedule and --loss-type sft_loss runs no "
+                      "engine: use --fsdp-flow-shift for the SFT sigma grid")
+        if v("sft_encoder_checkpoint") and not sft:
+            self.fail("--sft-encoder-checkpoint requires --loss-type sft_loss (rollouts encode with --hf-checkpoint's encoders)")
+        if (v("override_lr_scheduler") and v("use_checkpoint_lr_scheduler")
+                and self.config.source("use_checkpoint_lr_scheduler").user_set):
+            self.fail("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive "
+                      "(the command line's learning-rate schedule or the checkpoint's)")
+        key, threshold = v("ci_metric_checker_key"), v("ci_metric_checker_threshold")
+        if v("ci_test") and (key is None or threshold is None):
+            self.fail("--ci-test requires --ci-metric-checker-key and --ci-metric-checker-threshold (the metric the run must reach)")
+        elif not v("ci_test") and (key is not None or threshold is not None):
+            self.fail("--ci-metric-checker-key and --ci-metric-checker-threshold require --ci-test")
+        if threshold is not None and not -float("inf") < threshold < float("inf"):
+            self.fail(f"--ci-metric-checker-threshold {threshold}: must be a finite number")
+        for message in train_env_vars_errors(v("train_env_vars") or {}):
+            self.fail(message)
 
     def check_ranges(self) -> None:
         positive = [
-            "micro_batch_size", "diffusion_num_steps", "actor_num_nodes", "rollout_num_gpus_per_engine",
+            "micro_batch_size", "diffusion_num_steps", "rollout_num_gpus_per_engine",
             "sglang_server_concurrency", "update_weight_buffer_size", "rollout_parser_num_workers",
-            "lora_rank", "lora_alpha", "distributed_timeout_minutes",
+            "lora_rank", "lora_alpha", "distributed_timeout_minutes", "diffusion_eval_num_steps",
+            "n_samples_per_eval_prompt", "eval_interval", "save_interval",
         ]
         for dest in positive:
             value = self.v(dest)
@@ -411,7 +536,7 @@ class _Resolver:
                 self.fail(f"{self.name(dest)} {value}: must be at least 1")
         non_negative = [
             "diffusion_noise_level", "diffusion_guidance_scale", "diffusion_kl_beta", "lr", "weight_decay",
-            "diffusion_num_sde_steps", "rollout_health_check_first_wait", "min_lr",
+            "diffusion_num_sde_steps", "rollout_health_check_first_wait", "min_lr", "start_rollout_id",
         ]
         for dest in non_negative:
             value = self.v(dest)
@@ -513,6 +638,9 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
         )
     if ref_mode == "ema" and not config.use_ema and loss != "nft":
         errors.append("--ref-mode ema requires --use-ema (the EMA is the reference)")
+    if loss == "nft" and config.ref_mode == "none":
+        errors.append("--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or "
+                      "leave it unset")
     if loss == "nft" and config.diffusion_kl_beta > 0:
         errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
     if config.eval_config:
@@ -520,4 +648,20 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
             f"--eval-config {config.eval_config}: OmegaConf evaluation configs are not supported yet; "
             "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
         )
+    if config.diffusion_step_strategy_path:
+        errors.extend(_dry_run_step_strategy(config))
+    errors.extend(unavailable_errors(config))
     return errors
+
+
+def _dry_run_step_strategy(config: Config) -> list[str]:
+    """Run a custom step strategy once on the first rollout's seed, so a missing flag it
+    needs (``--diffusion-sde-candidate-steps``) is reported before anything loads."""
+    from miles_core.step_strategies import select_steps
+
+    strategy = resolve_path_flag("--diffusion-step-strategy-path", config.diffusion_step_strategy_path, "callable")
+    try:
+        select_steps(config, seed=config.rollout_seed, epoch=0, strategy=strategy)
+    except ValueError as exc:
+        return [f"--diffusion-step-strategy-path {config.diffusion_step_strategy_path}: {exc}"]
+    return []

@@ -68,18 +68,15 @@ class EmbeddedEngine(RolloutEngine):
         """The checkpoint and family of the configuration, on the machine's device
         (``--diffusion-generator-device``) in ``--diffusion-forward-dtype``; a
         ``--sde-step-backend-path`` class is served under that path as its name."""
+        from miles_core.model_loading import load_family
         from miles_core.refs import resolve_path_flag
 
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         extra = {}
         if config.sde_step_backend_path:
             extra[config.sde_step_backend_path] = resolve_path_flag(
                 "--sde-step-backend-path", config.sde_step_backend_path, "sde_backend"
             )
-        return cls.from_checkpoint(
-            config.hf_checkpoint, config.model_family, device=config.diffusion_generator_device,
-            dtype=dtypes[config.diffusion_forward_dtype], backends=installed_backends(extra),
-        )
+        return cls(load_family(config), backends=installed_backends(extra))
 
     # -- generation ------------------------------------------------------------------
 

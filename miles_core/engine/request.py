@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 SDE_TYPES = ("sde", "cps", "ode")
+FLOW_SHIFT = "flow_shift"
+"""The ``extra_sampling_params`` key of the schedule shift (``--diffusion-flow-shift``), as
+the reference sends it to sglang-diffusion."""
 
 
 class RequestError(ValueError):
@@ -91,6 +94,7 @@ class RolloutRequest:
             raise RequestError("rollout_noise_level", f"must be a finite number >= 0, got {self.rollout_noise_level}")
         if not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
             raise RequestError("guidance_scale", f"must be a finite number >= 0, got {self.guidance_scale}")
+        self.flow_shift  # reading the property checks the value
         steps = self.num_inference_steps
         for name, upper in (("rollout_sde_step_indices", steps - 1), ("rollout_return_step_indices", steps + 1)):
             indices = getattr(self, name)
@@ -106,6 +110,19 @@ class RolloutRequest:
                     else f"latent indices must be in [0, {steps}]"
                 )
                 raise RequestError(name, f"{bad[0]} is out of range; {rule}")
+
+    @property
+    def flow_shift(self) -> float | None:
+        """``extra_sampling_params.flow_shift`` (where sglang-diffusion reads it): the
+        sampling schedule's shift; None: the checkpoint scheduler's own. A value that is
+        not a finite number > 0 raises :class:`RequestError`."""
+        shift = self.extra_sampling_params.get(FLOW_SHIFT)
+        if shift is None:
+            return None
+        # The shift divides by 1 + (s - 1)·σ: s <= 0 would reach 0 or flip the schedule.
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
+            raise RequestError("extra_sampling_params", f"{FLOW_SHIFT} must be a finite number > 0, got {shift!r}")
+        return float(shift)
 
     def sde_steps(self) -> tuple[int, ...]:
         """The loop steps that run the SDE (none for ``rollout: false`` or ``ode``)."""

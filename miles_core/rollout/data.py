@@ -11,7 +11,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 
 class PromptDataError(ValueError):
@@ -69,6 +69,29 @@ def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: st
     return records
 
 
+@runtime_checkable
+class DataSource(Protocol):
+    """What a run asks of its prompt source: the built-in :class:`PromptSource` over
+    ``--prompt-data``, or a ``--data-source-path`` class, built as ``cls(config,
+    records)`` (``records``: the ``--prompt-data`` rows, None under
+    ``--disable-rollout-global-dataset``). An optional ``epoch_of(rollout_id) -> int``
+    gives the step strategies their epoch (0 without it). See docs/customization.md."""
+
+    def batch(self, rollout_id: int) -> Sequence[PromptRecord]:
+        """The ``--rollout-batch-size`` prompts of rollout ``rollout_id``, called once
+        per rollout, in order."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to go on where it stands (JSON-like values and tensors),
+        saved in each checkpoint."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` when a run resumes (``--load``)."""
+        ...
+
+
 class PromptSource:
     """Prompts for each rollout, a pure function of the rollout id: rollout ``r`` takes
     positions ``r*B .. r*B+B-1`` of an endless sequence of epochs, each epoch a
@@ -99,3 +122,10 @@ class PromptSource:
             epoch, offset = divmod(position, size)
             out.append(self.records[self.epoch_order(epoch)[offset]])
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        # Stateless: a resumed run recomputes any batch from its rollout id.
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass

@@ -6,6 +6,9 @@ the seed layout of :mod:`miles_core.rollout.seeds`. All microgroups of a rollout
 concurrent tasks, at most ``--sglang-server-concurrency`` in flight; results come back
 in (group, sample) order whatever order the requests finish in. ``on_microgroup`` is
 called as each microgroup returns, so scoring can overlap generation.
+
+:func:`diffusion_rollout` is the whole built-in rollout behind ``miles-core train``,
+with the signature a ``--rollout-function-path`` function has, so one can wrap it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,30 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RolloutRequest
+from miles_core.engine.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.sample import Sample
 from miles_core.rollout.seeds import Microgroup, group_index, microgroups
 from miles_core.step_strategies import StepStrategy, select_steps
 
 MicrogroupCallback = Callable[[list[Sample]], Awaitable[None]]
+Generate = Callable[[RolloutEngine, RolloutRequest], Awaitable[Sequence[RolloutOutput]]]
+
+
+async def engine_generate(engine: RolloutEngine, request: RolloutRequest) -> Sequence[RolloutOutput]:
+    return await engine.generate(request)
+
+
+def extra_sampling_params(config: Any) -> dict[str, Any]:
+    """The request's ``extra_sampling_params`` from the flags, for rollouts and
+    evaluation alike: Wan 2.2's second guidance scale and the schedule shift, under the
+    names sglang-diffusion reads."""
+    extra: dict[str, Any] = {}
+    if getattr(config, "diffusion_guidance_scale_2", None) is not None:
+        extra["guidance_scale_2"] = config.diffusion_guidance_scale_2
+    if getattr(config, "diffusion_flow_shift", None) is not None:
+        extra["flow_shift"] = config.diffusion_flow_shift
+    return extra
 
 
 @dataclass(frozen=True)
@@ -58,10 +78,7 @@ class RolloutSettings:
         if getattr(config, "sde_step_backend_path", None):
             # A one-off backend travels under its path (EmbeddedEngine.from_config registers it so).
             values["diffusion_sde_type"] = config.sde_step_backend_path
-        extra = {}
-        if getattr(config, "diffusion_guidance_scale_2", None) is not None:
-            extra["guidance_scale_2"] = config.diffusion_guidance_scale_2
-        return cls(**values, extra_sampling_params=extra)
+        return cls(**values, extra_sampling_params=extra_sampling_params(config))
 
     def request(self, prompt: str, microgroup: Microgroup, sde_steps: Sequence[int], return_steps: Sequence[int]) -> RolloutRequest:
         frames = self.diffusion_output_num_frames
@@ -99,9 +116,11 @@ async def generate_rollout(
     *,
     epoch: int = 0,
     on_microgroup: MicrogroupCallback | None = None,
+    generate: Generate = engine_generate,
 ) -> list[list[Sample]]:
     """Generate every group of one rollout; returns the groups in prompt order, each
-    with its samples in seed order."""
+    with its samples in seed order. ``generate`` sends one microgroup's request
+    (``--custom-generate-function-path`` replaces it)."""
     limit = asyncio.Semaphore(settings.sglang_server_concurrency)
     groups: list[list[Sample | None]] = [[None] * settings.n_samples_per_prompt for _ in prompts]
 
@@ -109,7 +128,7 @@ async def generate_rollout(
         selection = select_steps(settings, seed=microgroup.seed, epoch=epoch, strategy=strategy)
         request = settings.request(record.prompt, microgroup, selection.sde_steps, selection.return_steps)
         async with limit:
-            outputs = await engine.generate(request)
+            outputs = await generate(engine, request)
         if len(outputs) != microgroup.size:
             raise RuntimeError(f"engine returned {len(outputs)} outputs for a microgroup of {microgroup.size}")
         samples = []
@@ -143,6 +162,38 @@ async def generate_rollout(
     ]
     await asyncio.gather(*tasks)
     return [[sample for sample in group if sample is not None] for group in groups]
+
+
+async def diffusion_rollout(
+    config: Any,
+    rollout_id: int,
+    engine: RolloutEngine,
+    data_source: Any,
+    *,
+    evaluation: bool = False,
+    on_microgroup: MicrogroupCallback | None = None,
+) -> list[Sample]:
+    """The built-in rollout: ``data_source.batch(rollout_id)``'s prompt groups through
+    :func:`generate_rollout`, flattened (group after group). With ``evaluation`` it is
+    the built-in evaluation of one eval set instead (``data_source.batch`` gives its
+    prompts; fixed seeds, deterministic sampling, pixels only). Every request goes through
+    ``--custom-generate-function-path`` when it is set."""
+    from miles_core.rollout.hooks import DATA_SOURCE_FLAG, HookError, generate_function, prompt_batch
+
+    if data_source is None:
+        raise HookError(f"the built-in rollout needs prompts: give --prompt-data or {DATA_SOURCE_FLAG}")
+    generate = generate_function(config)
+    if evaluation:
+        from miles_core.training.evaluation import eval_samples
+
+        return await eval_samples(config, engine, data_source.batch(rollout_id), generate)
+    prompts = prompt_batch(config, data_source, rollout_id)
+    epoch_of = getattr(data_source, "epoch_of", None)
+    groups = await generate_rollout(
+        engine, RolloutSettings.from_config(config), rollout_id, prompts, strategy_from_config(config),
+        epoch=epoch_of(rollout_id) if epoch_of is not None else 0, on_microgroup=on_microgroup, generate=generate,
+    )
+    return [sample for group in groups for sample in group]
 
 
 def strategy_from_config(config: Any) -> StepStrategy:

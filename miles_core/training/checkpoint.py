@@ -537,6 +537,31 @@ def load_checkpoint(root: Path, step: int | None = None, *, verify: bool = True)
     )
 
 
+def read_extra(root: Path, step: int | None = None) -> dict[str, Any] | None:
+    """The JSON part of checkpoint ``step``'s ``extra`` (``None``: the latest), read from
+    its ``meta.json`` alone, without loading any tensor: keys whose values hold tensors
+    (an EMA shadow) are left out. None when ``step`` is None and nothing was saved yet
+    (``latest_checkpointed_iteration.txt`` absent), as a resumed run treats it."""
+    root = Path(root)
+    if step is None:
+        step = latest_iteration(root)
+        if step is None:
+            return None
+    directory = _resolve(root, int(step))
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no checkpoint for step {step} ({_available_text(root)})")
+    extra = _read_meta(directory).get("extra", {})
+    return {k: _decode(v, {}, directory / "meta.json") for k, v in extra.items() if not _holds_tensor(v)}
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, list):
+        return any(_holds_tensor(v) for v in obj)
+    if isinstance(obj, dict):
+        return "__tensor__" in obj or any(_holds_tensor(v) for v in obj.values())
+    return False
+
+
 __all__ = [
     "FORMAT_VERSION",
     "LATEST_FILE",
@@ -549,6 +574,7 @@ __all__ = [
     "load_checkpoint",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
+    "read_extra",
     "restore_rng",
     "save_checkpoint",
 ]

@@ -4,18 +4,24 @@ Every evaluation of a run samples the same prompts with the same seeds through t
 engine in evaluation mode (``rollout: false``: ODE steps, pixels only), so two
 evaluations differ only by the policy: the gain over the first evaluation is a paired
 comparison (``eval/<name>/paired_gain``), far less noisy than comparing rollout means.
+
+``--eval-function-path`` (else ``--rollout-function-path``) replaces the sampling of each
+eval set: it is called with ``evaluation=True`` and an :class:`EvalPrompts` source, and
+its samples are scored and compared like the built-in ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from miles_core.engine.request import RolloutRequest
 from miles_core.rollout.data import PromptRecord, load_prompts
+from miles_core.rollout.generate import Generate, diffusion_rollout, engine_generate, extra_sampling_params
+from miles_core.rollout.hooks import check_samples, eval_hook
 from miles_core.rollout.sample import Sample
 
 EVAL_SEED_OFFSET = 2**30
@@ -27,6 +33,59 @@ class EvalResult:
     rewards: dict[str, torch.Tensor]
     images: dict[str, list[torch.Tensor]]
     metrics: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+    """Each eval set's scored samples (what ``--custom-eval-rollout-log-function-path`` gets)."""
+
+
+class EvalPrompts:
+    """One eval set as a data source: :meth:`batch` gives all its prompts, every time."""
+
+    def __init__(self, name: str, records: Sequence[PromptRecord]) -> None:
+        self.name = name
+        self.records = list(records)
+
+    def batch(self, rollout_id: int) -> list[PromptRecord]:
+        return list(self.records)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutRequest]:
+    """One request per prompt: ``--n-samples-per-eval-prompt`` outputs, seeds fixed for
+    the run (prompt ``j`` of every eval set gets the same seeds), ODE sampling."""
+    n = config.n_samples_per_eval_prompt
+    frames = config.diffusion_output_num_frames
+    return [
+        RolloutRequest(
+            prompt=record.prompt, negative_prompt=config.diffusion_negative_prompt,
+            seed=(config.rollout_seed + EVAL_SEED_OFFSET + j * n) % 2**31, num_outputs_per_prompt=n,
+            num_inference_steps=config.diffusion_eval_num_steps or config.diffusion_num_steps,
+            guidance_scale=config.diffusion_guidance_scale, true_cfg_scale=config.diffusion_true_cfg_scale,
+            height=config.diffusion_height, width=config.diffusion_width,
+            num_frames=frames if frames and frames > 1 else None, fps=config.diffusion_fps,
+            rollout=False, extra_sampling_params=extra_sampling_params(config),
+        )
+        for j, record in enumerate(records)
+    ]
+
+
+async def eval_samples(
+    config: Any, engine: Any, records: Sequence[PromptRecord], generate: Generate = engine_generate
+) -> list[Sample]:
+    """The built-in evaluation's samples of one eval set, prompt after prompt."""
+    import asyncio
+
+    outputs = await asyncio.gather(*(generate(engine, r) for r in eval_requests(config, records)))
+    return [
+        Sample(prompt=record.prompt, metadata=dict(record.metadata), rollout_id=-1, group_index=j,
+               index_in_group=i, seed=output.seed, sde_step_indices=(), output=output)
+        for j, (record, group) in enumerate(zip(records, outputs))
+        for i, output in enumerate(group)
+    ]
 
 
 class Evaluator:
@@ -41,38 +100,30 @@ class Evaluator:
             for i in range(0, len(pairs), 2)
         }
         self.first: EvalResult | None = None
+        self.hook = eval_hook(config)  # None: the built-in evaluation
 
     def requests(self, records: list[PromptRecord]) -> list[RolloutRequest]:
-        config = self.config
+        return eval_requests(self.config, records)
+
+    async def sample(self, name: str, records: list[PromptRecord], rollout_id: int) -> list[Sample]:
+        """One eval set's samples: the built-in evaluation, or the eval rollout function's
+        (checked: ``--n-samples-per-eval-prompt`` samples per prompt, in prompt order, so
+        paired gains compare the same prompt and seed)."""
+        config, source = self.config, EvalPrompts(name, records)
+        if self.hook is None:
+            return await diffusion_rollout(config, rollout_id, self.engine, source, evaluation=True)
         n = config.n_samples_per_eval_prompt
-        frames = config.diffusion_output_num_frames
-        extra = {"guidance_scale_2": config.diffusion_guidance_scale_2} if config.diffusion_guidance_scale_2 else {}
-        return [
-            RolloutRequest(
-                prompt=record.prompt, negative_prompt=config.diffusion_negative_prompt,
-                seed=(config.rollout_seed + EVAL_SEED_OFFSET + j * n) % 2**31, num_outputs_per_prompt=n,
-                num_inference_steps=config.diffusion_eval_num_steps or config.diffusion_num_steps,
-                guidance_scale=config.diffusion_guidance_scale, true_cfg_scale=config.diffusion_true_cfg_scale,
-                height=config.diffusion_height, width=config.diffusion_width,
-                num_frames=frames if frames and frames > 1 else None, fps=config.diffusion_fps,
-                rollout=False, extra_sampling_params=extra,
-            )
-            for j, record in enumerate(records)
-        ]
+        samples = await self.hook(config, rollout_id, self.engine, source, evaluation=True)
+        return check_samples(self.hook, samples, n, size_flag="--n-samples-per-eval-prompt", expected=len(records) * n)
 
-    async def evaluate(self) -> EvalResult:
-        import asyncio
-
+    async def evaluate(self, rollout_id: int = -1) -> EvalResult:
+        """Sample and score every eval set; ``rollout_id`` is the rollout whose record
+        the result goes into (passed on to an eval rollout function)."""
         result = EvalResult({}, {})
         for name, records in self.datasets.items():
-            outputs = await asyncio.gather(*(self.engine.generate(r) for r in self.requests(records)))
-            samples = [
-                Sample(prompt=record.prompt, metadata=dict(record.metadata), rollout_id=-1, group_index=j,
-                       index_in_group=i, seed=output.seed, sde_step_indices=(), output=output)
-                for j, (record, group) in enumerate(zip(records, outputs))
-                for i, output in enumerate(group)
-            ]
+            samples = await self.sample(name, records, rollout_id)
             rewards = await self.scorer.score(samples)
+            result.samples[name] = samples
             result.rewards[name] = rewards
             result.images[name] = [s.pixels for s in samples]
             result.metrics[f"eval/{name}/reward_mean"] = float(rewards.mean())

@@ -16,13 +16,19 @@ The reference builds Megatron-LM's ``OptimizerParamScheduler`` (its FSDP backend
 
 Megatron counts these in samples (iterations x global batch size); every ratio is the
 same in optimizer steps, which is what this module counts.
+
+A resumed run (``--load``) goes on with the schedule its checkpoint saved
+(:func:`schedule_state`), warning where the command line differs, unless
+``--override-lr-scheduler`` or ``--no-use-checkpoint-lr-scheduler``
+(:func:`resolve_schedule_on_resume`), as Megatron's ``--use-checkpoint-opt_param-scheduler``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -153,4 +159,100 @@ def from_config(config: Any, total_steps: int) -> LRSchedule:
     )
 
 
-__all__ = ["DECAY_STYLES", "DEFAULT_WSD_DECAY_STYLE", "WSD_DECAY_STYLES", "LRSchedule", "from_config"]
+# -- resuming: whose schedule wins --------------------------------------------------------
+
+SCHEDULE_KEY = "lr_schedule"
+"""Key of the schedule in a checkpoint's ``extra`` (see :func:`schedule_state`)."""
+
+_FIELD_FLAGS = {
+    "lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_init": "--lr-warmup-init",
+    "warmup_iters": "--lr-warmup-iters/--lr-warmup-fraction",
+    "decay_style": "--lr-decay-style",
+    "decay_iters": "--lr-decay-iters (or the run's total optimizer steps)",
+    "wsd_decay_iters": "--lr-wsd-decay-iters",
+    "wsd_decay_style": "--lr-wsd-decay-style",
+}
+
+
+def schedule_state(schedule: LRSchedule) -> dict[str, Any]:
+    """The schedule as plain JSON values, for a checkpoint's ``extra[SCHEDULE_KEY]``.
+    Resolved values are saved (the decay length is the original run's total when
+    ``--lr-decay-iters`` was unset), so a resumed run with another ``--num-rollout``
+    keeps the schedule it started with."""
+    return dataclasses.asdict(schedule)
+
+
+def use_checkpoint_schedule(config: Any) -> bool:
+    """Megatron's rule: the checkpoint's schedule, unless ``--override-lr-scheduler`` or
+    ``--no-use-checkpoint-lr-scheduler`` (unset counts as on, the default)."""
+    return not config.override_lr_scheduler and config.use_checkpoint_lr_scheduler is not False
+
+
+def resolve_schedule_on_resume(
+    config: Any, schedule: LRSchedule, saved: Mapping[str, Any] | None
+) -> tuple[LRSchedule, list[str]]:
+    """The schedule a resumed run uses, and one warning line per setting where the
+    checkpoint's and the command line's differ.
+
+    ``schedule`` is the command line's (:func:`from_config`), ``saved`` the checkpoint's
+    :func:`schedule_state` (None: a checkpoint written before schedules were saved, whose
+    run goes on with the command line's). By default the checkpoint's wins, as Megatron's
+    ``--use-checkpoint-opt_param-scheduler``; ``--override-lr-scheduler`` (or
+    ``--no-use-checkpoint-lr-scheduler``) keeps the command line's."""
+    if saved is None:
+        return schedule, ["the checkpoint holds no learning-rate schedule (saved before schedules were); using the command line's"]
+    known = {f.name for f in dataclasses.fields(LRSchedule)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ValueError(f"the checkpoint's learning-rate schedule has unknown setting(s) {', '.join(unknown)}")
+    try:
+        checkpoint = LRSchedule(**{**dataclasses.asdict(schedule), **saved})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the checkpoint's learning-rate schedule is invalid ({exc})") from None
+    keep = use_checkpoint_schedule(config)
+    chosen = checkpoint if keep else schedule
+    warnings = []
+    for name, flag in _FIELD_FLAGS.items():
+        ours, theirs = getattr(schedule, name), getattr(checkpoint, name)
+        if ours == theirs:
+            continue
+        if keep:
+            warnings.append(
+                f"{flag}: the checkpoint's {theirs!r} is used, not the command line's {ours!r} "
+                "(--override-lr-scheduler keeps the command line's)"
+            )
+        else:
+            warnings.append(f"{flag}: the command line's {ours!r} is used, not the checkpoint's {theirs!r}")
+    return chosen, warnings
+
+
+def resume_schedule(config: Any, schedule: LRSchedule, log: Callable[[str], None]) -> LRSchedule:
+    """:func:`resolve_schedule_on_resume` against the checkpoint ``--load`` /
+    ``--ckpt-step`` name (only its ``meta.json`` is read), logging each warning; the
+    schedule unchanged when there is nothing to resume from. A bad saved schedule
+    raises :class:`~miles_core.training.run.RunError`."""
+    from pathlib import Path
+
+    from miles_core.training.checkpoint import read_extra
+    from miles_core.training.run import RunError
+
+    if not config.load:
+        return schedule
+    saved = read_extra(Path(config.load), config.ckpt_step)
+    if saved is None:
+        return schedule
+    try:
+        chosen, warnings = resolve_schedule_on_resume(config, schedule, saved.get(SCHEDULE_KEY))
+    except ValueError as exc:
+        raise RunError(f"--load {config.load}: {exc}") from None
+    for line in warnings:
+        log(f"warning: {line}")
+    return chosen
+
+
+__all__ = [
+    "DECAY_STYLES", "DEFAULT_WSD_DECAY_STYLE", "SCHEDULE_KEY", "WSD_DECAY_STYLES", "LRSchedule", "from_config",
+    "resolve_schedule_on_resume", "resume_schedule", "schedule_state", "use_checkpoint_schedule",
+]

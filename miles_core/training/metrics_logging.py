@@ -8,6 +8,11 @@ each per-optimizer-step list of a record (``train/clipfrac_per_step``) as its ow
 to ``rollout/images`` (``wandb.Image``) or ``rollout/videos`` (``wandb.Video`` of a GIF
 that Pillow encodes: no ffmpeg or moviepy), captioned with the prompt and reward.
 ``wandb`` is imported only when ``--use-wandb`` is set.
+
+Custom log functions (``--custom-rollout-log-function-path``,
+``--custom-eval-rollout-log-function-path``) see a rollout's (or an evaluation's)
+samples and default metrics first, and return True to skip their default logging:
+see :func:`custom_log_function` and docs/customization.md.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 import torch
 
@@ -179,6 +184,45 @@ def metrics_logger(config: Any, document: dict[str, Any], out: Path) -> WandbLog
     return WandbLogger(config, document, out) if config.use_wandb else None
 
 
+# -- custom log functions ----------------------------------------------------------------
+
+ROLLOUT_LOG_FLAG = "--custom-rollout-log-function-path"
+EVAL_LOG_FLAG = "--custom-eval-rollout-log-function-path"
+
+CustomLog = Callable[[int, Any, dict[str, Any]], Awaitable[bool]]
+"""``await log(rollout_id, samples, metrics) -> skip the default logging``."""
+
+
+def custom_log_function(config: Any, *, evaluation: bool = False) -> CustomLog:
+    """The user's log function, called as ``fn(rollout_id, config, samples, metrics)``
+    (sync or async) where
+
+    * for a rollout: ``samples`` is the scored ``list[Sample]`` and ``metrics`` its
+      default ``rollout/*`` metrics;
+    * for an evaluation: ``samples`` is ``{eval set name: list[Sample]}`` and ``metrics``
+      the ``eval/<name>/*`` metrics.
+
+    It may change ``metrics`` in place: unless it returns True, the dict as it left it is
+    logged. True skips that default logging (those keys in ``metrics.jsonl`` and W&B, and
+    the rollout's W&B images or the evaluation's sample grids). Without the flag the
+    returned function logs nothing and never skips."""
+    from miles_core.rollout.hooks import HookError, load_hook
+
+    flag = EVAL_LOG_FLAG if evaluation else ROLLOUT_LOG_FLAG
+    path = config.custom_eval_rollout_log_function_path if evaluation else config.custom_rollout_log_function_path
+    hook = load_hook(flag, path, "log_function")
+
+    async def log(rollout_id: int, samples: Any, metrics: dict[str, Any]) -> bool:
+        if hook is None:
+            return False
+        skip = await hook(rollout_id, config, samples, metrics)
+        if skip is not None and not isinstance(skip, bool):
+            raise HookError(f"{hook.where}: must return True (skip the default logging), False or None, got {type(skip).__name__}")
+        return bool(skip)
+
+    return log
+
+
 # -- progress bars ---------------------------------------------------------------------------
 
 
@@ -239,4 +283,7 @@ class Progress:
                 trainer.on_progress = None
 
 
-__all__ = ["LoggerError", "Progress", "WANDB_MISSING", "WandbLogger", "metrics_logger", "require_wandb", "run_name"]
+__all__ = [
+    "LoggerError", "Progress", "WANDB_MISSING", "WandbLogger", "custom_log_function", "metrics_logger", "require_wandb",
+    "run_name",
+]

@@ -7,17 +7,25 @@ transformer forward each): a flat ``--micro-batch-size`` of consecutive pairs, o
 ``--micro-batch-size-sample x --micro-batch-size-tstep`` tile. A tile of M samples x 1
 step reproduces an engine microgroup's batch exactly, which is what makes the trainer's
 recomputed log-probs bit-identical to the engine's (the alignment probe).
+
+Each pair records the trainable component that denoises it
+(:meth:`~miles_core.family.ModelFamily.denoiser_for`: Wan 2.2's high-noise
+``transformer`` or low-noise ``transformer_2``), and a micro-batch never mixes two: a
+flat cut starts a new micro-batch, a tile is split by denoiser, order kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from miles_core.family import Conditioning, GenerationParams
 from miles_core.rollout.sample import Sample
+
+if TYPE_CHECKING:
+    from miles_core.family import ModelFamily
 
 
 @dataclass
@@ -41,6 +49,9 @@ class TrainPair:
     """The engine's model output at this step (debug mode), for the drift metrics."""
     loss_mask: float = 1.0
     """0 for samples a per-sample filter removed (they still counted for advantages)."""
+    denoiser: str | None = None
+    """The trainable component that predicts at this step (``family.denoiser_for``);
+    None until the trainer fills it in (a custom expansion may leave it unset)."""
 
 
 def conditioning_from_env(env: dict[str, Any]) -> Conditioning:
@@ -62,8 +73,12 @@ def params_from_env(env: dict[str, Any], num_steps: int) -> GenerationParams:
     )
 
 
-def build_pairs(samples: Sequence[Sample], advantages: torch.Tensor, streams: Sequence[str]) -> list[TrainPair]:
-    """One pair per (sample, SDE step), sample-major, steps ascending."""
+def build_pairs(config: Any, samples: Sequence[Sample], advantages: torch.Tensor, family: ModelFamily) -> list[TrainPair]:
+    """One pair per (sample, SDE step), sample-major, steps ascending, each carrying its
+    sample's advantage and its step's denoiser. The signature of
+    ``--custom-expand-samples-to-train-pairs-path``, which replaces it (``config`` is
+    unused here)."""
+    streams = family.latent_streams
     pairs: list[TrainPair] = []
     for index, (sample, advantage) in enumerate(zip(samples, advantages.tolist())):
         output = sample.output
@@ -96,13 +111,14 @@ def build_pairs(samples: Sequence[Sample], advantages: torch.Tensor, streams: Se
                 params=params,
                 engine_velocity=None if debug is None else debug["rollout_model_outputs"][k],
                 loss_mask=0.0 if sample.remove_sample else 1.0,
+                denoiser=family.denoiser_for(timesteps[k], params),
             ))
     return pairs
 
 
 def micro_batches(pairs: Sequence[TrainPair], config: Any) -> list[list[TrainPair]]:
     """Cut one optimizer step's pairs into micro-batches, never mixing pairs whose
-    generation parameters or latent shapes differ (they cannot share a forward)."""
+    denoiser, generation parameters or latent shapes differ (they cannot share a forward)."""
     if config.micro_batch_size_sample is not None:
         return _tiles(pairs, config.micro_batch_size_sample, config.micro_batch_size_tstep, config.diffusion_train_iter_order)
     size = config.micro_batch_size
@@ -116,7 +132,7 @@ def micro_batches(pairs: Sequence[TrainPair], config: Any) -> list[list[TrainPai
 
 
 def _compatible(a: TrainPair, b: TrainPair) -> bool:
-    return a.params == b.params and a.x.keys() == b.x.keys() and all(
+    return a.denoiser == b.denoiser and a.params == b.params and a.x.keys() == b.x.keys() and all(
         a.x[name].shape == b.x[name].shape for name in a.x
     )
 
@@ -137,9 +153,21 @@ def _tiles(pairs: Sequence[TrainPair], per_sample: int, per_step: int, order: st
         # Rows step by step, samples in seed order within a step: a one-step tile lists
         # its samples in the order the engine batched them.
         tile = [index[(s, k)] for k in step_block for s in sample_block if (s, k) in index]
-        if tile:
-            tiles.append(tile)
+        tiles.extend(_split(tile))
     return tiles
+
+
+def _split(tile: list[TrainPair]) -> list[list[TrainPair]]:
+    """A tile as one micro-batch per compatible set (one per denoiser, for a tile
+    across an expert boundary), in order of first appearance, rows in tile order."""
+    parts: list[list[TrainPair]] = []
+    for pair in tile:
+        part = next((p for p in parts if _compatible(p[0], pair)), None)
+        if part is None:
+            parts.append([pair])
+        else:
+            part.append(pair)
+    return parts
 
 
 def collate(batch: Sequence[TrainPair]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -17,6 +18,7 @@ import torch
 
 from miles_core.config.model import Config
 from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.model_loading import load_family
 
 
 class RunError(RuntimeError):
@@ -44,9 +46,10 @@ def output_directory(config: Config, resume_from: int | None) -> Path:
     return path
 
 
-def _restore(config: Config, trainer: Any) -> int | None:
+def _restore(config: Config, trainer: Any, data_source: Any = None) -> int | None:
     """Load ``--load`` (``--ckpt-step`` or the latest); return the first rollout to run,
-    or None when there is nothing to resume from."""
+    or None when there is nothing to resume from. A ``--data-source-path`` source gets
+    back the state it had when the checkpoint was saved."""
     from miles_core.training.checkpoint import CheckpointError, latest_iteration, load_checkpoint, restore_rng
 
     if not config.load:
@@ -54,7 +57,12 @@ def _restore(config: Config, trainer: Any) -> int | None:
     root = Path(config.load)
     try:
         if config.ckpt_step is None and latest_iteration(root) is None:
-            return None  # a first run pointed at its own --save directory
+            if config.save and Path(config.save).resolve() == root.resolve():
+                return None  # a first run pointed at its own --save directory
+            raise CheckpointError(
+                "no checkpoint there (no latest_checkpointed_iteration.txt); to start fresh and resume later, "
+                "give the same directory to --save and --load"
+            )
         checkpoint = load_checkpoint(root, config.ckpt_step)
     except CheckpointError as exc:
         raise RunError(f"--load {root}: {exc}") from None
@@ -71,19 +79,37 @@ def _restore(config: Config, trainer: Any) -> int | None:
         trainer.ema.load_state_dict(checkpoint.extra["ema"])
     if not config.no_load_rng:
         restore_rng(checkpoint.rng_state)
+    if config.data_source_path and data_source is not None:
+        if "data_source" not in checkpoint.extra:
+            raise RunError(
+                f"--data-source-path {config.data_source_path}: the checkpoint {checkpoint.path} holds no data-source "
+                "state (saved without --data-source-path), so the prompts cannot resume where they stood"
+            )
+        data_source.load_state_dict(checkpoint.extra["data_source"])
     return checkpoint.rollout_id + 1
 
 
-def _save(config: Config, trainer: Any, rollout_id: int) -> None:
+def _save(config: Config, trainer: Any, rollout_id: int, data_source: Any = None, schedule: Any = None) -> None:
     from miles_core.training.checkpoint import capture_rng, save_checkpoint
+    from miles_core.training.lr_schedule import SCHEDULE_KEY, schedule_state
 
+    extra: dict[str, Any] = {} if schedule is None else {SCHEDULE_KEY: schedule_state(schedule)}
+    if config.data_source_path and data_source is not None:
+        # The built-in source is a pure function of the rollout id; a custom one may not be.
+        state = data_source.state_dict()
+        if not isinstance(state, dict):
+            raise RunError(
+                f"--data-source-path {config.data_source_path}: state_dict() must return a dict of JSON-like "
+                f"values and tensors, got {type(state).__name__}"
+            )
+        extra["data_source"] = state
     save_checkpoint(
         Path(config.save), rollout_id,
         model_state=trainer.trainable_state(),
         optimizer_state=None if config.no_save_optim else trainer.optimizer.state_dict(),
         rng_state=capture_rng(),
         extra={"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora),
-               "loss_type": config.loss_type,
+               "loss_type": config.loss_type, **extra,
                **({"ema": trainer.ema.state_dict()} if trainer.ema is not None else {})},
     )
 
@@ -92,8 +118,22 @@ def number_of_rollouts(config: Config, num_prompts: int) -> int:
     if config.num_rollout is not None:
         return config.num_rollout
     if config.num_epoch is not None:
-        return math.ceil(config.num_epoch * num_prompts / config.rollout_batch_size)
+        # An SFT rollout consumes rollout_batch_size x n_samples_per_prompt rows; an RL one
+        # rollout_batch_size prompts (each sampled n times).
+        per_rollout = config.rollout_batch_size * (config.n_samples_per_prompt if config.loss_type == "sft_loss" else 1)
+        return math.ceil(config.num_epoch * num_prompts / per_rollout)
     raise RunError("set --num-rollout (rollouts to run) or --num-epoch (passes over --prompt-data)")
+
+
+def _rollout_source(config: Config, records: list) -> Any:
+    """The prompt source of an RL run: ``--data-source-path`` or the built-in one over
+    ``--prompt-data`` (None under ``--disable-rollout-global-dataset`` without a data
+    source: the ``--rollout-function-path`` function finds its own prompts). Loads the
+    rollout function too, so a bad one fails before any model loads."""
+    from miles_core.rollout.hooks import build_data_source, rollout_hook
+
+    rollout_hook(config)
+    return build_data_source(config, None if config.disable_rollout_global_dataset else records)
 
 
 async def train(config: Config, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Path:
@@ -106,9 +146,15 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     from miles_core.training.metrics_logging import Progress, metrics_logger, require_wandb
     from miles_core.training.trainer import Trainer
 
+    from miles_core.training.environment import apply_train_env_vars
+
+    try:
+        apply_train_env_vars(config, log)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
     sft = config.loss_type == "sft_loss"
     replay = bool(config.load_debug_rollout_data)  # saved rollouts instead of an engine
-    if not config.prompt_data and not replay:
+    if not config.prompt_data and not replay and not config.disable_rollout_global_dataset:
         raise RunError("--prompt-data is required: a JSONL file with one prompt per line")
     require_wandb(config)
     records: list[Any] = []
@@ -116,33 +162,46 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
         from miles_core.training.sft import load_sft_rows
 
         records = load_sft_rows(config.prompt_data, input_key=config.input_key, image_key=config.sft_image_key)
-    elif config.prompt_data:
+    elif config.prompt_data and not config.disable_rollout_global_dataset:
         from miles_core.rollout.data import load_prompts
 
         records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
     total_rollouts = number_of_rollouts(config, len(records))
+    try:  # a bad schedule (min lr above lr, warmup past the decay) stops the run before any model loads
+        schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
+    except ValueError as exc:
+        raise RunError(f"learning-rate schedule: {exc}") from None
+    data_source = None if sft or replay else _rollout_source(config, records)
     torch.manual_seed(config.seed)
     if config.deterministic_mode:
+        # cuBLAS refuses deterministic mode without a fixed workspace; set it before CUDA starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     host = get_host()
     loss_fn = host.registries.loss.get(config.loss_type).load()
     engine = None if sft or config.train_only else _engine(config)
     # The embedded engine shares its modules with the trainer; a remote one gets weight
     # syncs; with no engine (SFT, a replay) the trainer loads the family itself.
-    family = engine.family if isinstance(engine, EmbeddedEngine) else _load_family(config)
-    trainer = Trainer(family, config, _backend(config), loss_fn)
-    resumed = _restore(config, trainer)
+    family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
+    try:  # the trainer's setup errors (attention backend, gradient checkpointing, hooks) are one line each
+        trainer = Trainer(family, config, _backend(config), loss_fn)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+    resumed = _restore(config, trainer, data_source)
     start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
     out = output_directory(config, start if resumed is not None else None)
     document = config_document(config)
     (out / "config.yaml").write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-    schedule = lr_schedule_from_config(config, total_rollouts * config.num_steps_per_rollout)
+    if resumed is not None:
+        from miles_core.training.lr_schedule import resume_schedule
+
+        schedule = resume_schedule(config, schedule, log)
     progress = Progress()
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
         if sft:
             loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts, progress)
         else:
-            loop = _rl_rollouts(config, engine, trainer, records, schedule.lr_at, start, total_rollouts, out, progress)
+            loop = _rl_rollouts(config, engine, trainer, data_source, schedule.lr_at, start, total_rollouts, out, progress)
         first: dict[str, Any] = {}
         logger = None
         failed = True
@@ -158,7 +217,7 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
                 rollout_id = metrics["rollout_id"]
                 last = rollout_id + 1 == total_rollouts
                 if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
-                    _save(config, trainer, rollout_id)
+                    _save(config, trainer, rollout_id, data_source, schedule)
             failed = False
         finally:
             if engine is not None:
@@ -168,6 +227,9 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     _save_weights(config, trainer, out)
     for line in _final_summary(first, metrics if first else {}):
         log(line)
+    from miles_core.training.ci_check import check_ci_metric
+
+    check_ci_metric(config, out / "metrics.jsonl")
     return out
 
 
@@ -183,7 +245,7 @@ def _final_summary(first: dict[str, Any], last: dict[str, Any]) -> list[str]:
                 f"summary: eval {name}: reward {before:.4f} -> {after:.4f}, paired gain {gain:+.4f} "
                 f"(std {last[f'eval/{name}/paired_gain_std']:.4f}) on the same prompts and seeds"
             )
-    if not lines and "rollout/reward/raw_mean" in last:
+    if not lines and "rollout/reward/raw_mean" in last and "rollout/reward/raw_mean" in first:
         lines.append(
             f"summary: rollout reward {first['rollout/reward/raw_mean']:.4f} (first rollout) -> "
             f"{last['rollout/reward/raw_mean']:.4f} (last rollout)"
@@ -217,16 +279,6 @@ def _engine(config: Config) -> Any:
     return engine
 
 
-def _load_family(config: Config) -> Any:
-    from miles_core.plugin_manager import get_host
-
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    family_cls = get_host().registries.model_family.get(config.model_family).load()
-    return family_cls.from_pretrained(
-        config.hf_checkpoint, device=config.diffusion_generator_device, dtype=dtypes[config.diffusion_forward_dtype]
-    )
-
-
 def _backend(config: Config) -> Any:
     from miles_core.plugin_manager import get_host
     from miles_core.refs import resolve_path_flag
@@ -237,14 +289,14 @@ def _backend(config: Config) -> Any:
 
 
 async def _rl_rollouts(
-    config: Config, engine: Any, trainer: Any, records: list, lr_at: Any, start: int, total: int, out: Path,
+    config: Config, engine: Any, trainer: Any, data_source: Any, lr_at: Any, start: int, total: int, out: Path,
     progress: Any = None,
 ):
     """Yield ``(metrics, samples)`` per rollout: generate (or replay), score, train, sync."""
     from miles_core.training.advantages import advantages_from_config
     from miles_core.training.debug_data import load_rollout_data, save_rollout_data, save_train_data
     from miles_core.training.evaluation import Evaluator, save_grid
-    from miles_core.training.metrics_logging import Progress
+    from miles_core.training.metrics_logging import Progress, custom_log_function
     from miles_core.training.weight_sync import sync_to_engine
 
     progress = progress or Progress(enabled=False)
@@ -262,16 +314,21 @@ async def _rl_rollouts(
     # A remote engine starts from the trainer's weights (checkpoint, LoRA, or a resumed run's).
     pending_sync = await sync_weights({}) if remote else {}
     weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
-    rollouts = None if replay else _RolloutSource(config, engine, records, progress, total)
+    rollouts = None if replay else _RolloutSource(config, engine, data_source, progress, total)
+    log_rollout = custom_log_function(config)
+    log_eval = custom_log_function(config, evaluation=True)
     engine_weights = nullcontext if remote else policy_weights  # the embedded engine samples the trainer's modules
     evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
     samples_dir = out / "samples"
     pending_eval: dict[str, Any] = {}
     columns = config.n_samples_per_eval_prompt
 
-    async def evaluate(tag: str) -> dict[str, Any]:
+    async def evaluate(tag: str, rollout_id: int) -> dict[str, Any]:
         with engine_weights():
-            result = await evaluator.evaluate()
+            result = await evaluator.evaluate(rollout_id)
+        metrics = dict(result.metrics)
+        if await log_eval(rollout_id, result.samples, metrics):
+            return {}  # the custom eval log function did the logging: no eval/* keys, no grids
         for name, images in result.images.items():
             save_grid(images, samples_dir / f"eval_{name}_{tag}.png", columns)
             if evaluator.first is not result:
@@ -279,10 +336,10 @@ async def _rl_rollouts(
                 first = evaluator.first.images[name]
                 pairs = [img for pair in zip(first, images) for img in pair]
                 save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * columns)
-        return result.metrics
+        return metrics
 
     if evaluator is not None and not config.skip_eval_before_train:
-        pending_eval = await evaluate(f"{start:05d}_before")
+        pending_eval = await evaluate(f"{start:05d}_before", start)
     for rollout_id in range(start, total):
         began = time.perf_counter()
         if replay:
@@ -315,7 +372,7 @@ async def _rl_rollouts(
             metrics.update({"perf/weight_sync_time": 0.0, "perf/weight_sync_bytes": 0, **pending_sync})
             pending_sync = {}
         synced = time.perf_counter()
-        metrics.update({
+        rollout_metrics = {
             "rollout/reward/raw_mean": float(rewards.mean()),
             "rollout/reward/raw_std": float(rewards.std(unbiased=False)),
             "rollout/reward/raw_min": float(rewards.min()),
@@ -324,6 +381,13 @@ async def _rl_rollouts(
             "rollout/num_samples": len(samples),
             # The count is per request: every output of a microgroup carries its request's total.
             "rollout/log_prob_fallbacks": sum({s.output.request_id: s.output.log_prob_fallbacks for s in samples}.values()),
+        }
+        logged_samples = samples
+        if await log_rollout(rollout_id, samples, rollout_metrics):
+            logged_samples = []  # the custom log function did the logging: no rollout/* keys, no W&B media
+        else:
+            metrics.update(rollout_metrics)
+        metrics.update({
             "perf/rollout_time": generated - began,
             "perf/reward_time": scored - generated,
             "perf/train_time": trained - scored,
@@ -332,8 +396,8 @@ async def _rl_rollouts(
         metrics.update(pending_eval)
         pending_eval = {}
         if evaluator is not None and ((rollout_id + 1) % config.eval_interval == 0 or rollout_id + 1 == total):
-            metrics.update(await evaluate(f"{rollout_id + 1:05d}"))
-        yield metrics, samples
+            metrics.update(await evaluate(f"{rollout_id + 1:05d}", rollout_id))
+        yield metrics, logged_samples
 
 
 def _rollout_policy_weights(config: Config, trainer: Any) -> Callable[[], Any]:
@@ -348,36 +412,36 @@ def _rollout_policy_weights(config: Config, trainer: Any) -> Callable[[], Any]:
 
 class _RolloutSource:
     """Prompts, the engine and the reward of a run: one rollout's scored-ready samples
-    per :meth:`generate`, with a progress bar over its microgroups."""
+    per :meth:`generate` (the built-in rollout, with a progress bar over its
+    microgroups, or the checked samples of ``--rollout-function-path``)."""
 
-    def __init__(self, config: Config, engine: Any, records: list, progress: Any, total: int) -> None:
-        from miles_core.rollout.data import PromptSource
-        from miles_core.rollout.generate import RolloutSettings, strategy_from_config
+    def __init__(self, config: Config, engine: Any, data_source: Any, progress: Any, total: int) -> None:
+        from miles_core.rollout.hooks import rollout_hook
         from miles_core.training.rewards import RewardScorer
 
         self.config = config
         self.engine = engine
+        self.data_source = data_source
         self.progress = progress
         self.total = total
         self.scorer = RewardScorer(config)
-        self.settings = RolloutSettings.from_config(config)
-        self.strategy = strategy_from_config(config)
-        self.source = PromptSource(records, batch_size=config.rollout_batch_size, seed=config.rollout_seed)
+        self.hook = rollout_hook(config)
 
     async def generate(self, rollout_id: int) -> list[Any]:
-        from miles_core.rollout.generate import generate_rollout
+        from miles_core.rollout.generate import diffusion_rollout
+        from miles_core.rollout.hooks import check_samples
 
-        prompts = self.source.batch(rollout_id)
-        per_group = math.ceil(self.settings.n_samples_per_prompt / self.settings.rollout_microgroup_size)
-        with self.progress.phase(f"rollout {rollout_id + 1}/{self.total}", len(prompts) * per_group, "microgroup") as bar:
+        config = self.config
+        if self.hook is not None:
+            samples = await self.hook(config, rollout_id, self.engine, self.data_source)
+            return check_samples(self.hook, samples, config.n_samples_per_prompt)
+        per_group = math.ceil(config.n_samples_per_prompt / config.rollout_microgroup_size)
+        total = config.rollout_batch_size * per_group
+        with self.progress.phase(f"rollout {rollout_id + 1}/{self.total}", total, "microgroup") as bar:
             async def advance(_: list[Any]) -> None:
                 bar.update(1)
 
-            groups = await generate_rollout(
-                self.engine, self.settings, rollout_id, prompts, self.strategy,
-                epoch=self.source.epoch_of(rollout_id), on_microgroup=advance,
-            )
-        return [sample for group in groups for sample in group]
+            return await diffusion_rollout(config, rollout_id, self.engine, self.data_source, on_microgroup=advance)
 
 
 async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, start: int, total: int, progress: Any):

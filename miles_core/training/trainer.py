@@ -4,8 +4,14 @@ the selected loss.
 
 Trainable weights are LoRA adapters (PEFT, through diffusers' adapter API so the
 result saves as a diffusers LoRA) or the full components named by
-``--update-weight-target-module``. With the embedded engine the trainer and the engine
-share the family's modules, so weight sync costs nothing.
+``--update-weight-target-module`` (several for Wan 2.2's two experts: adapters, optimizer,
+EMA and weight sync are per component). With the embedded engine the trainer and the
+engine share the family's modules, so weight sync costs nothing.
+
+Each optimizer step's samples are this data-parallel rank's share
+(``--train-dp-split-mode``, :mod:`miles_core.training.data_parallel`); the sample-to-pair
+conversion and the micro-batch preparation may be replaced by hooks
+(:mod:`miles_core.training.train_hooks`).
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ from miles_core.engine.sampler import ConditioningCache
 from miles_core.family import Conditioning, ModelFamily
 from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
+from miles_core.training.backend_options import enable_gradient_checkpointing, set_attention_backend
+from miles_core.training.data_parallel import shard_for_rank
 from miles_core.training.pairs import (
     TrainPair,
-    build_pairs,
-    collate,
     conditioning_from_env,
     micro_batches,
     on_device,
     params_from_env,
 )
+from miles_core.training.train_hooks import batch_preparer, pair_source
 
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
@@ -49,9 +56,16 @@ def _lora_init(value: str) -> Any:
 
 
 class Trainer:
-    def __init__(self, family: ModelFamily, config: Any, backend_cls: type[SdeBackend], loss_fn: Any) -> None:
+    def __init__(
+        self, family: ModelFamily, config: Any, backend_cls: type[SdeBackend], loss_fn: Any, *, dp_rank: int = 0,
+    ) -> None:
         self.family = family
         self.config = config
+        self.dp_rank = dp_rank
+        """This process's data-parallel rank (of ``config.data_parallel_size``; 0 of 1 today)."""
+        # Hooks first: a bad path fails before any module is touched.
+        self.pairs_from = pair_source(config, family)
+        self.prepare = batch_preparer(config)
         self.backend = backend_cls(noise_level=config.diffusion_noise_level, log_prob_no_const=config.diffusion_log_prob_no_const)
         self.loss_fn = loss_fn
         self.modules = target_modules(config, family)
@@ -70,6 +84,10 @@ class Trainer:
         else:
             for module in self.modules.values():
                 module.requires_grad_(True)
+        if config.fsdp_attention_backend:
+            set_attention_backend(self.modules, config.fsdp_attention_backend)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.modules)
         self.parameters = [p for m in self.modules.values() for p in m.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("nothing to train: no parameter of the target modules requires a gradient")
@@ -85,7 +103,7 @@ class Trainer:
         (policy loss) or optimizer step (nft, SFT); the run's progress bar."""
         self._progress = [0, 0]
         self.last_pairs: list[TrainPair] = []
-        """The train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
+        """This rank's train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
         self.ema = None
         if config.use_ema or config.loss_type == "nft":
             # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
@@ -153,6 +171,11 @@ class Trainer:
         ``--num-steps-per-rollout`` steps."""
         return max(1, math.ceil(count / self.config.num_steps_per_rollout))
 
+    def _rank_share(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's share of one optimizer step's samples (``--train-dp-split-mode``)."""
+        config = self.config
+        return shard_for_rank(items, self.dp_rank, config.data_parallel_size, config.train_dp_split_mode)
+
     def _after_optimizer_step(self) -> None:
         if self.ema is not None:
             self.ema.update(self.named_trainable(), self.optimizer_steps)
@@ -194,7 +217,7 @@ class Trainer:
         primary = self.family.latent_streams[0]
         self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
-            window = rows[step * gbs : (step + 1) * gbs]
+            window = self._rank_share(rows[step * gbs : (step + 1) * gbs])
             if lr_at is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(self.optimizer_steps)
@@ -230,7 +253,7 @@ class Trainer:
         self.last_pairs = []
         self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
-            window = list(range(step * gbs, min((step + 1) * gbs, len(samples))))
+            window = self._rank_share(range(step * gbs, min((step + 1) * gbs, len(samples))))
             if lr_at is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(self.optimizer_steps)
@@ -286,15 +309,16 @@ class Trainer:
         config = self.config
         if config.loss_type == "nft":
             return self.train_nft(samples, advantages, lr_at)
-        pairs = build_pairs(samples, advantages, self.family.latent_streams)
+        pairs = self.pairs_from(config, samples, advantages)
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
-        self.last_pairs = pairs
         gbs = self._window_size(len(samples))
-        windows = [
-            [p for p in pairs if step * gbs <= p.sample_index < (step + 1) * gbs]
-            for step in range(config.num_steps_per_rollout)
-        ]
+        windows = []
+        for step in range(config.num_steps_per_rollout):
+            mine = set(self._rank_share(range(step * gbs, min((step + 1) * gbs, len(samples)))))
+            windows.append([p for p in pairs if p.sample_index in mine])
+        pairs = [p for window in windows for p in window]
+        self.last_pairs = pairs
         if config.diffusion_recompute_old_log_prob:
             # Window by window, with the micro-batches training will use: the first
             # step's ratio is then exactly 1.
@@ -318,7 +342,7 @@ class Trainer:
         trainer's own forward (before any update of this rollout) instead of the
         engine's, so batch-geometry drift between the two never enters the ratio."""
         for batch in micro_batches(pairs, self.config):
-            log_prob = self._log_prob(on_device(collate(batch), self.family.device))[0]
+            log_prob = self._log_prob(on_device(self.prepare(batch), self.family.device))[0]
             for pair, value in zip(batch, log_prob.tolist()):
                 pair.old_log_prob = value
 
@@ -336,7 +360,7 @@ class Trainer:
         # counted for its group's advantages, but trains nothing).
         kept_total = max(1, sum(1 for p in pairs if p.loss_mask > 0))
         for batch in micro_batches(pairs, config):
-            data = on_device(collate(batch), self.family.device)
+            data = on_device(self.prepare(batch), self.family.device)
             # The reference forward (which may swap weights) before the policy's graph exists.
             ref_mean = self._reference_mean(data) if config.diffusion_kl_beta > 0 else None
             with torch.set_grad_enabled(not skip):

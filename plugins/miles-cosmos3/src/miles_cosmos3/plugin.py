@@ -27,6 +27,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             n_samples_per_prompt=16,
             # The transformer packs one sample with no batch dimension.
             rollout_microgroup_size=1,
+            generation_options=("num_frames", "fps"),
             max_microgroup_size=1,
         )
     ]

@@ -23,6 +23,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             # Reference LTX-2.3 recipe: 8 per group, single-output requests.
             n_samples_per_prompt=8,
             rollout_microgroup_size=1,
+            generation_options=("num_frames", "fps"),
             default_sde_type="cps",
             # The reference trains LTX without classifier-free guidance.
             supports_cfg_training=False,

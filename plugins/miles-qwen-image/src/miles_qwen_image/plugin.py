@@ -40,5 +40,6 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             lora_target_modules=LORA_TARGET_MODULES,
             n_samples_per_prompt=16,
             rollout_microgroup_size=8,
+            generation_options=("true_cfg_scale",),
         )
     ]

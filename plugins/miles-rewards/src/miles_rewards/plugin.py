@@ -41,21 +41,24 @@ def miles_register_rewards() -> list[RewardSpec]:
 
 @hookimpl
 def miles_add_arguments() -> list[Flag]:
-    # The reference's reward flags; they exist exactly when this plugin is installed.
+    # The reference's reward flags; they exist exactly when this plugin is installed. The
+    # PickScore and OCR rewards themselves are not in this version, so setting one of their
+    # flags stops a training run instead of being ignored.
+    later = "the {} reward is not in this version of miles-rewards"
     return [
-        Flag(name="--pickscore-model-path", group="reward", metavar="PATH",
+        Flag(name="--pickscore-model-path", group="reward", metavar="PATH", unavailable=later.format("pickscore"),
              help="CLIP model of the PickScore reward (hub id or local directory); required with --rm-type pickscore."),
-        Flag(name="--pickscore-processor-path", group="reward", metavar="PATH",
+        Flag(name="--pickscore-processor-path", group="reward", metavar="PATH", unavailable=later.format("pickscore"),
              help="CLIP processor of the PickScore reward (hub id or local directory); required with --rm-type pickscore."),
-        Flag(name="--pickscore-num-workers", group="reward", type="int", default=1,
+        Flag(name="--pickscore-num-workers", group="reward", unavailable=later.format("pickscore"), type="int", default=1,
              help="Reward workers scoring with PickScore."),
-        Flag(name="--pickscore-num-gpus-per-worker", group="reward", type="float", default=1.0,
+        Flag(name="--pickscore-num-gpus-per-worker", group="reward", unavailable=later.format("pickscore"), type="float", default=1.0,
              help="GPUs per PickScore worker; fractions share a GPU."),
-        Flag(name="--pickscore-batch-size", group="reward", type="int", default=8,
+        Flag(name="--pickscore-batch-size", group="reward", unavailable=later.format("pickscore"), type="int", default=8,
              help="Images per PickScore forward."),
-        Flag(name="--pickscore-num-frames", group="reward", type="int", default=None,
+        Flag(name="--pickscore-num-frames", group="reward", unavailable=later.format("pickscore"), type="int", default=None,
              help="Frames of a video scored by PickScore, sampled evenly and averaged; unset scores all frames."),
-        Flag(name="--ocr-num-workers", group="reward", type="int", default=4,
+        Flag(name="--ocr-num-workers", group="reward", unavailable=later.format("ocr"), type="int", default=4,
              help="Worker processes running the OCR reward's recogniser."),
     ]
 

@@ -47,7 +47,7 @@ class SD3Family(ModelFamily):
         return {"transformer": self.pipeline.transformer}
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        from miles_core.engine.request import RequestError
+        from miles_core.engine.request import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         native = pipe.default_sample_size * pipe.vae_scale_factor  # the pipeline's own default
@@ -70,9 +70,13 @@ class SD3Family(ModelFamily):
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "SD3 has no true CFG; use guidance_scale")
         extra = dict(request.extra_sampling_params)
-        unknown = sorted(set(extra) - {"max_sequence_length"})
+        unknown = sorted(set(extra) - {"max_sequence_length", FLOW_SHIFT})
         if unknown:
-            raise RequestError("extra_sampling_params", f"SD3 takes only max_sequence_length, got {', '.join(unknown)}")
+            raise RequestError(
+                "extra_sampling_params", f"SD3 takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}"
+            )
+        if request.flow_shift is not None and "shift" not in pipe.scheduler.config:
+            raise RequestError("extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no shift")
         length = extra.get("max_sequence_length", self.max_sequence_length)
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= 512:
             raise RequestError("extra_sampling_params", f"max_sequence_length must be an integer in [1, 512], got {length!r}")
@@ -82,6 +86,7 @@ class SD3Family(ModelFamily):
             num_inference_steps=request.num_inference_steps,
             guidance_scale=float(request.guidance_scale),
             extra={"max_sequence_length": length} if "max_sequence_length" in extra else {},
+            flow_shift=request.flow_shift,
             # fps means nothing for an image: dropped rather than rejected, so clients
             # that always send it keep working.
         )
@@ -141,6 +146,11 @@ class SD3Family(ModelFamily):
 
         # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
         scheduler = copy.deepcopy(self.pipeline.scheduler)
+        if params.flow_shift is not None:
+            # The scheduler diffusers builds from a config with this shift: its __init__
+            # derives sigma_min from the shift, so set_shift() alone would not match it.
+            # An explicit shift replaces a resolution-dependent (dynamic) one.
+            scheduler = type(scheduler).from_config(scheduler.config, shift=params.flow_shift, use_dynamic_shifting=False)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             # As StableDiffusion3Pipeline.__call__ (note its max_shift default 1.16).

@@ -35,6 +35,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
             n_samples_per_prompt=16,
             rollout_microgroup_size=8,
+            generation_options=("num_frames", "fps", "guidance_scale_2"),
         )
     ]
 

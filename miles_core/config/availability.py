@@ -1,0 +1,167 @@
+"""Flags that cannot take effect in this run: notes for hardware-only flags, errors for
+flags whose feature this version lacks.
+
+No accepted flag is silently ignored. A hardware-only flag (:attr:`Flag.hardware`) set
+where its hardware is missing is logged as a note that says what it would do; a flag
+marked :attr:`Flag.unavailable` set to anything but its default stops a training run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_core.config.model import Config
+from miles_core.machine import visible_gpu_count
+
+
+def _shown(config: Config, dest: str) -> str:
+    """``--flag value``, or just ``--flag`` for a switch."""
+    flag = config.flag(dest)
+    return flag.name if flag.type in ("bool", "tristate") and config.get(dest) is True else f"{flag.name} {config.get(dest)}"
+
+
+def _set_away_from_default(config: Config, dest: str) -> bool:
+    flag = config.flag(dest)
+    if not config.is_user_set(dest):
+        return False
+    value: Any = config.get(dest)
+    default = flag.default
+    if flag.type == "tristate" and default is None:
+        return value is not None
+    return value != default
+
+
+def hardware_notes(config: Config) -> list[str]:
+    """One note per hardware-only flag the user set, plus the ``--sglang-*``
+    pass-through arguments when no sglang-diffusion engine is started."""
+    gpus = visible_gpu_count()
+    notes = []
+    for dest in config:
+        flag = config.flag(dest)
+        if flag.hardware and _set_away_from_default(config, dest):
+            why = (
+                "this run is a single process on a machine without GPUs"
+                if not gpus
+                else "the single-process trainer of this version does not place work on several GPUs"
+            )
+            notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, "
+                         "so it has no effect")
+    if config.sglang_args and config.get("rollout_engine") != "sglang":
+        notes.append(
+            f"{' '.join(config.sglang_args)}: --sglang-* arguments are passed to sglang-diffusion servers only; "
+            f"--rollout-engine {config.get('rollout_engine')} starts none, so they have no effect"
+        )
+    return notes
+
+
+def unavailable_errors(config: Config) -> list[str]:
+    """One error per flag the user set whose feature this version lacks, and one when
+    the train world size asks for several ranks."""
+    errors = [
+        f"{_shown(config, dest)}: {config.flag(dest).unavailable}"
+        for dest in config
+        if config.flag(dest).unavailable and _set_away_from_default(config, dest)
+    ]
+    if config.world_size > 1:
+        errors.append(
+            f"--actor-num-nodes {config.actor_num_nodes} x --actor-num-gpus-per-node {config.actor_num_gpus_per_node} "
+            f"= world size {config.world_size}: training across several ranks (FSDP2 data parallelism) is not in this "
+            "version; pass --actor-num-gpus-per-node 1 to train in one process"
+        )
+    return errors
+
+
+_LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_init_weights")
+
+# Flags read by one built-in loss only: dest -> the losses that read it. A custom loss
+# gets the whole configuration, so it is never told a flag is unused.
+_LOSS_ONLY: dict[str, tuple[str, ...]] = {
+    "diffusion_clip_range": ("policy_loss",),
+    "diffusion_adv_clip_max": ("policy_loss", "nft"),
+    "diffusion_nft_beta": ("nft",),
+    "diffusion_nft_timestep_fraction": ("nft",),
+    "no_diffusion_nft_adaptive_weight": ("nft",),
+    "no_diffusion_nft_shuffle_timesteps": ("nft",),
+}
+
+
+_EVAL_SETTINGS = ("eval_prompt_data", "eval_input_key", "n_samples_per_eval_prompt", "diffusion_eval_num_steps",
+                  "skip_eval_before_train")
+
+
+def loss_is(config: Config, name: str) -> bool:
+    return config.get("loss_type") == name
+
+
+def conflicting_flags(config: Config) -> list[str]:
+    """Combinations where a flag the user set would do nothing and the intent is
+    ambiguous: errors, so the run does not quietly do something else."""
+    errors = [
+        f"{config.flag(dest).name} requires --use-lora (without it the whole model is fine-tuned and LoRA settings "
+        "do nothing)"
+        for dest in _LORA_SETTINGS
+        if not config.get("use_lora") and _set_away_from_default(config, dest)
+    ]
+    if config.get("debug_rollout_only") and loss_is(config, "sft_loss"):
+        errors.append("--debug-rollout-only: --loss-type sft_loss has no rollouts, only training on --prompt-data rows")
+    if config.get("custom_rm_path") and config.is_user_set("rm_type") and config.get("rm_type") is not None:
+        errors.append(
+            f"--rm-type {config.get('rm_type')} and --custom-rm-path {config.get('custom_rm_path')} are mutually "
+            "exclusive (the custom reward replaces the registered one)"
+        )
+    return errors
+
+
+def inert_notes(config: Config) -> list[str]:
+    """Flags the user set that the chosen loss, reference or engine does not read."""
+    loss = config.get("loss_type")
+    notes = []
+    if loss != "custom_loss":
+        for dest, losses in _LOSS_ONLY.items():
+            if loss not in losses and _set_away_from_default(config, dest):
+                notes.append(f"{_shown(config, dest)} has no effect with --loss-type {loss} (read by "
+                             f"{' and '.join(losses)} only)")
+    if (
+        config.get("ref_mode") is not None and config.is_user_set("ref_mode") and loss != "nft"
+        and not config.get("diffusion_kl_beta")
+    ):
+        notes.append(f"--ref-mode {config.get('ref_mode')} has no effect: with --diffusion-kl-beta 0 no KL term "
+                     "compares against the reference")
+    if _set_away_from_default(config, "diffusion_train_iter_order"):
+        if config.get("micro_batch_size_sample") is None:
+            notes.append(f"{_shown(config, 'diffusion_train_iter_order')} has no effect without the 2-D tile "
+                         "(--micro-batch-size-sample and --micro-batch-size-tstep)")
+        elif loss in ("nft", "sft_loss"):
+            notes.append(f"{_shown(config, 'diffusion_train_iter_order')} has no effect with --loss-type {loss}: "
+                         "its micro-batches are flat")
+    if config.get("eval_interval") is None:
+        unused = [config.flag(dest).name for dest in _EVAL_SETTINGS if _set_away_from_default(config, dest)]
+        if unused:
+            notes.append(f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
+                         f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32":
+        notes.append(f"--diffusion-forward-dtype {config.get('diffusion_forward_dtype')}: the trained parameters and "
+                     "the optimizer state are in that dtype too in this version (fp32 master weights, "
+                     "--fsdp-master-dtype, come with the FSDP2 trainer)")
+    if config.get("diffusion_debug_mode") and loss in ("nft", "sft_loss"):
+        notes.append(f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
+                     "policy loss's recomputed log-probs with the engine's")
+    if loss == "sft_loss":
+        dumps = [config.flag(d).name for d in ("save_debug_rollout_data", "save_debug_train_data", "dump_details")
+                 if config.is_user_set(d) and config.get(d)]
+        if dumps:
+            notes.append(f"{', '.join(dumps)}: --loss-type sft_loss has no rollouts to dump, so "
+                         f"{'they have' if len(dumps) > 1 else 'it has'} no effect")
+    elif config.get("debug_rollout_only") and config.is_user_set("save_debug_train_data"):
+        notes.append("--save-debug-train-data has no effect with --debug-rollout-only: nothing is trained")
+    if not config.get("use_wandb"):
+        unused = [config.flag(d).name for d in config
+                  if d.startswith("wandb_") or d == "disable_wandb_random_suffix"
+                  if _set_away_from_default(config, d)]
+        if unused:
+            notes.append(f"{', '.join(unused)}: wandb logging is off without --use-wandb, so "
+                         f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+    if config.get("lora_ipc_weight_sync") and config.get("rollout_engine") == "embedded":
+        notes.append("--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the "
+                     "trained module, so no weights are sent")
+    return notes
