@@ -6,8 +6,10 @@ run first uses them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles_core.hookspecs import hookimpl
-from miles_core.specs import LossSpec, RolloutEngineSpec, SdeBackendSpec, StepStrategySpec
+from miles_core.specs import LossSpec, RolloutEngineSpec, RolloutFilterSpec, SdeBackendSpec, StepStrategySpec
 
 
 @hookimpl
@@ -77,6 +79,35 @@ def miles_register_losses() -> list[LossSpec]:
             description="The function named by --custom-loss-function-path",
         ),
     ]
+
+
+@hookimpl
+def miles_register_rollout_filters() -> list[RolloutFilterSpec]:
+    return [
+        RolloutFilterSpec(
+            name="check_reward_nonzero_std",
+            ref="miles_core.rollout.filters:check_reward_nonzero_std",
+            description="Dynamic sampling (DAPO): keep a prompt group whose rewards are not all equal",
+            stage="group",
+        ),
+        RolloutFilterSpec(
+            name="pop_first",
+            ref="miles_core.rollout.filters:pop_first",
+            description="Train on the first --rollout-batch-size groups, in order (the reference's default)",
+            stage="buffer",
+        ),
+    ]
+
+
+@hookimpl
+def miles_validate_config(config: Any) -> list[str]:
+    """The rollout-filter flags name a registered filter of their stage or a callable."""
+    keys = ("dynamic_sampling_filter_path", "rollout_sample_filter_path", "buffer_filter_path")
+    if all(config.get(key) is None for key in keys):
+        return []  # nothing to check (and nothing imported)
+    from miles_core.rollout.filters import filter_errors
+
+    return filter_errors(config)
 
 
 @hookimpl

@@ -68,7 +68,18 @@ def render(host: PluginHost) -> str:
         ("generate", generate.build_parser(registry_names["model_family"])),
     ):
         out += [f"### `miles-core {name}`\n", "```text", _usage(parser), "```", ""]
+    from miles_core.cli.score import add_score_arguments
+
+    scoring = OneLineParser(prog="miles-core score")
+    add_score_arguments(scoring)
     out += [
+        "### `miles-core score`\n",
+        "```text", _usage(scoring), "```", "",
+        "Also takes every training flag below; the reward flags (`--rm-type`, `--reward-weights`, "
+        "`--custom-rm-path`, `--reward-key`, `--group-rm`, the rewards' own flags, "
+        "`--custom-config-path`) choose the reward, and `--prompt-data`, `--input-key` and "
+        "`--metadata-key` read rows as in training.",
+        "",
         "### `miles-core config`\n",
         "Takes every training flag below. Prints the configuration as YAML: the flags by "
         "group, `resolved` (model family, world and data-parallel sizes, `--sglang-*` "

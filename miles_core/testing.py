@@ -157,6 +157,21 @@ def assert_build_is_deterministic(family: Any, workdir: str | Path) -> tuple[dic
     return first, other
 
 
+def install_into(package_dir: str | Path, target: str | Path) -> Path:
+    """``pip install`` a plugin package (no dependencies, no index) into ``target``, a
+    folder to put on ``PYTHONPATH``: how a test installs an example plugin for real,
+    entry points included, without touching the environment."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), str(package_dir)],
+        check=True, capture_output=True, text=True,
+    )
+    return Path(target)
+
+
 def directory_size(directory: str | Path) -> int:
     """Total bytes of the files under ``directory``."""
     return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())

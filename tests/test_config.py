@@ -195,7 +195,7 @@ def test_registry_backed_choices_list_installed():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--loss-type", "ppo")
     assert message == "--loss-type ppo: unknown loss; installed: custom_loss, nft, policy_loss, sft_loss"
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--rm-type", "pickscore2")
-    assert "installed: brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, redness" in message
+    assert "installed: aesthetic, brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, ocr, pickscore, redness" in message
     c = resolve(*SD35, "--rollout-batch-size", "1", "--rm-type", "jpeg_compressibility")
     assert c.components["reward"].provider.startswith("miles-rewards ")
     assert c.components["loss"].provider.startswith("miles-core ")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.testing import install_into
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "miles-example-plugin"
 
@@ -41,13 +43,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), str(EXAMPLE)],
-        check=True, capture_output=True, text=True,
-    )
-    return target
+    return install_into(EXAMPLE, tmp_path_factory.mktemp("site"))
 
 
 def test_example_is_discovered_and_used(installed):

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list-plugins": ("miles_core.cli.list_plugins", "List installed plugins and what they register"),
     "config": ("miles_core.cli.config_command", "Resolve and validate training flags; print the configuration as YAML"),
     "make-tiny": ("miles_core.cli.make_tiny", "Write a tiny, randomly initialised pipeline of a model family"),
+    "score": ("miles_core.cli.score", "Score image files with a reward (--rm-type ...), as a training run would"),
     "generate": ("miles_core.cli.generate", "Sample a checkpoint (optionally with a LoRA) to image or video files"),
     "serve-engine": ("miles_core.cli.serve_engine", "Serve a model over HTTP as a rollout engine (POST /rollout/generate)"),
 }

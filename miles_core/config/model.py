@@ -81,6 +81,8 @@ class Config:
         """Selected component per slot (``model_family``, ``loss``, ``sde_backend``, ...)."""
         self.sglang_args: list[str] = []
         """``--sglang-*`` pass-through arguments, verbatim, for the sglang engine."""
+        self.command_arguments: dict[str, Any] = {}
+        """A command's own arguments parsed beside the flags (``miles-core score``)."""
         self.notes: list[str] = []
         """Warnings raised while resolving (YAML overrides, ignored flags)."""
 

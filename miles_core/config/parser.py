@@ -138,17 +138,24 @@ def split_sglang_args(unknown: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_command_line(
-    argv: Sequence[str], entries: dict[str, FlagEntry], registries: Registries, prog: str
+    argv: Sequence[str], entries: dict[str, FlagEntry], registries: Registries, prog: str,
+    extend: Callable[[OneLineParser], Sequence[str]] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Return ``(values the user typed, keyed by dest; --sglang-* pass-through args)``.
 
+    ``extend`` adds a command's own arguments to the training flags (``miles-core score``)
+    and returns their dests; their values come back under the key ``"__command__"``.
     Exits with status 2 and a one-line message on a malformed command line.
     """
     parser = build_parser(entries, registries, prog)
+    own = list(extend(parser)) if extend else []
     namespace, unknown = parser.parse_known_args(list(argv))
     passthrough, rest = split_sglang_args(unknown)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return vars(namespace), passthrough
+    typed = vars(namespace)
+    if extend:
+        typed["__command__"] = {dest: typed.pop(dest, None) for dest in own}
+    return typed, passthrough
 
 

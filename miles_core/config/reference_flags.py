@@ -226,6 +226,16 @@ _TABLE: tuple[Flag, ...] = (
     _f("evaluation", "--diffusion-eval-num-steps", "int", None, "Denoising steps for eval samples; defaults to --diffusion-num-steps."),
     _f("evaluation", "--skip-eval-before-train", "bool", False, "Skip the evaluation before the first training step."),
     _f("evaluation", "--eval-reward-key", "str", None, "Reward key for eval when the reward is a dict; defaults to --reward-key."),
+    _f("evaluation", "--eval-rm-type", "str", None,
+       "Not in the reference. The evaluations' own reward (a held-out reward watches for reward hacking); "
+       "unset: the training reward.",
+       registry="reward", reference_default="(no such flag)",
+       differs="Added: the reference evaluates with the training reward (and its --eval-reward-key)."),
+    _f("evaluation", "--eval-reward-weights", "json", None,
+       "Not in the reference. The evaluations' own weighted mixture of registered rewards (JSON, like "
+       "--reward-weights); unset: the training reward.",
+       metavar="JSON", reference_default="(no such flag)",
+       differs="Added with --eval-rm-type: a separate reward set for the evaluations."),
     # ------------------------------------------------------------------ algorithm and loss
     _f("algorithm", "--loss-type", "str", "policy_loss",
        "Training loss: policy_loss (Flow-GRPO), nft, sft_loss, custom_loss, or a plugin's.", registry="loss"),
@@ -251,21 +261,50 @@ _TABLE: tuple[Flag, ...] = (
     # ------------------------------------------------------------------ reward
     _f("reward", "--rm-type", "str", None,
        "Reward model (e.g. pickscore, ocr from the rewards plugin); overridable per sample via metadata.rm_type.", registry="reward"),
-    _f("reward", "--reward-key", "str", None, "Key of the scalar to train on when the reward is a dict."),
-    _f("reward", "--group-rm", "bool", False, "Score a whole prompt group at once."),
+    _f("reward", "--reward-key", "str", None,
+       "Key of the scalar to train on when the reward is a dict (one dict per sample); the other keys are reported "
+       "as reward components."),
+    _f("reward", "--group-rm", "bool", False,
+       "Score a whole prompt group at once: a registered reward gets one call per group, --custom-rm-path gets "
+       "rm(args, group_samples) per group."),
     _hook("reward", "--custom-rm-path", "Custom reward: async def rm(args, samples) -> list[float]; batched only.",
           path_kind="async_callable"),
+    # Not in the reference: a weighted mixture of registered rewards.
+    _f("reward", "--reward-weights", "json", None,
+       "Not in the reference. A weighted mixture of registered rewards as a JSON object, "
+       "'{\"ocr\": 0.5, \"pickscore\": 0.5}' (or the same mapping under reward_weights in YAML); each reward is "
+       "reported as a component. Replaces --rm-type and --custom-rm-path.",
+       metavar="JSON", reference_default="(no such flag)",
+       differs="Added: the reference trains on one reward model; a mixture also reports each component."),
+    _f("reward", "--reward-aggregation", "str", "sum",
+       "Not in the reference. How a --reward-weights mixture becomes advantages: sum (GRPO on the weighted sum of "
+       "the raw rewards) or advantage (each reward normalised within its prompt group first, then summed with the "
+       "weights, so one reward's scale cannot drown another).",
+       choices=("sum", "advantage"), reference_default="(no such flag)",
+       differs="Added with --reward-weights (per-reward advantage aggregation)."),
     _hook("reward", "--custom-reward-post-process-path", "Replaces the advantage normalisation of rewards."),
+    _f("reward", "--no-streaming-reward", "bool", False,
+       "Not in the reference. Score the rollout after all of it is generated, instead of each microgroup (each "
+       "prompt group with --group-rm) as soon as it returns while the rest is still generating.",
+       reference_default="(no such flag)",
+       differs="Added: rewards stream by default; this turns streaming off (for a reward that must not run while "
+               "the engine generates, or to measure what streaming saves)."),
     _f("reward", "--colocate-reward", "bool", False,
        "Place reward actors on the rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05); requires --colocate."),
     _f("reward", "--rollout-parser-num-workers", "int", 1,
        "Ray actors deserializing rollout responses; raise it when trajectory tensors are large."),
     # ------------------------------------------------------------------ rollout customization hooks
     _hook("customization", "--custom-generate-function-path", "Replaces the inner generate call of the diffusion rollout."),
-    _hook("customization", "--dynamic-sampling-filter-path", "Per-group keep/drop filter (DAPO-style)."),
-    _hook("customization", "--rollout-sample-filter-path",
-          "Per-sample loss mask: set sample.remove_sample = True; removed samples still count for advantage normalisation."),
-    _hook("customization", "--buffer-filter-path", "Replaces the rollout buffer's sample selection."),
+    # The filter flags take a registered filter name or a dotted path (checked by the core's miles_validate_config).
+    _f("customization", "--dynamic-sampling-filter-path", "str", None,
+       "Per-group keep/drop filter (DAPO-style): a registered group filter (check_reward_nonzero_std) or fn(args, "
+       "group_samples) -> bool; dropped groups are not trained on and not refilled.", metavar="NAME|MODULE.ATTR"),
+    _f("customization", "--rollout-sample-filter-path", "str", None,
+       "Per-sample loss mask: a registered sample filter or fn(args, groups) -> None that sets sample.remove_sample = "
+       "True; removed samples still count for advantage normalisation.", metavar="NAME|MODULE.ATTR"),
+    _f("customization", "--buffer-filter-path", "str", None,
+       "Which kept groups are trained on, in order: a registered buffer filter (pop_first) or fn(args, rollout_id, "
+       "groups, num_groups) -> groups.", metavar="NAME|MODULE.ATTR"),
     _hook("customization", "--custom-convert-samples-to-train-data-path", "Replaces the whole samples-to-train-data conversion."),
     _hook("customization", "--custom-expand-samples-to-train-pairs-path", "Replaces just the sample-to-train-pair expansion."),
     _hook("customization", "--custom-rollout-log-function-path", "Replaces train rollout logging."),
@@ -380,7 +419,6 @@ HARDWARE_ONLY: dict[str, str] = {
 machine), setting one is logged as a note; ``docs/cli.md`` lists them."""
 
 _LATER_FLEET = "engine fleets with routing and fault tolerance are not in this version (they come with multi-engine runs)"
-_LATER_REWARDS = "reward plumbing beyond one registered reward or --custom-rm-path is not in this version"
 
 UNAVAILABLE: dict[str, str] = {
     "--fsdp-master-dtype": "separate master weights come with the FSDP2 trainer; this version keeps the trainable "
@@ -398,12 +436,6 @@ UNAVAILABLE: dict[str, str] = {
     "--rollout-health-check-first-wait": _LATER_FLEET,
     "--rollout-parser-num-workers": "parsing responses in Ray actors needs the Ray runtime, not in this version; "
                                     "responses are decoded in the run's own process",
-    "--reward-key": _LATER_REWARDS + " (dict-valued rewards)",
-    "--eval-reward-key": _LATER_REWARDS + " (dict-valued rewards)",
-    "--group-rm": _LATER_REWARDS + " (group reward models)",
-    "--dynamic-sampling-filter-path": "rollout filters are not in this version",
-    "--rollout-sample-filter-path": "rollout filters are not in this version",
-    "--buffer-filter-path": "rollout filters are not in this version",
     "--sft-frame-stride": "video SFT rows come with the video model families, not in this version; image rows have no frames",
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
                              "use --use-wandb (offline mode works without a network) and metrics.jsonl",

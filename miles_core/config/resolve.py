@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
@@ -25,17 +25,27 @@ from miles_core.specs import FAMILY_GENERATION_OPTIONS
 from miles_core.registry import ComponentLoadError
 
 
-def resolve_config(argv: Sequence[str], *, host: PluginHost | None = None, prog: str = "miles-core config") -> Config:
+def resolve_config(
+    argv: Sequence[str], *, host: PluginHost | None = None, prog: str = "miles-core config", scope: str = "train",
+    extend: Callable[[Any], Sequence[str]] | None = None,
+) -> Config:
     """Parse, resolve and validate; raise :class:`ConfigError` listing every violation.
+
+    ``scope="reward"`` resolves only what scoring needs (``miles-core score``): the
+    reward flags and their plugins' checks, with no checkpoint, batch or step rules.
+    ``extend`` adds a command's own arguments to the parser (see
+    :func:`~miles_core.config.parser.parse_command_line`); their values land in
+    ``config.command_arguments``.
 
     A malformed command line (unknown flag, value of the wrong type) exits with status
     2 from the parser itself.
     """
     host = host or get_host()
     entries = flag_entries(host.flags)
-    typed, sglang_args = parse_command_line(argv, entries, host.registries, prog)
+    typed, sglang_args = parse_command_line(argv, entries, host.registries, prog, extend)
     config = Config(entries)
     config.sglang_args = sglang_args
+    config.command_arguments = typed.pop("__command__", {})
     for dest, entry in entries.items():
         flag = entry.flag
         default = flag.default
@@ -52,7 +62,7 @@ def resolve_config(argv: Sequence[str], *, host: PluginHost | None = None, prog:
                     f"{config.get(dest)!r} from the command line with {value!r}"
                 )
             config.set(dest, value, Source.CONFIG_FILE)
-    _Resolver(config, host).run()
+    _Resolver(config, host).run(scope)
     return config
 
 
@@ -98,17 +108,20 @@ class _Resolver:
     def fail(self, message: str) -> None:
         self.errors.append(message)
 
-    def run(self) -> None:
+    def run(self, scope: str = "train") -> None:
         self.resolve_machine()
         self.resolve_registry_choices()
-        self.resolve_family()
-        self.resolve_batch()
+        if scope == "train":
+            self.resolve_family()
+            self.resolve_batch()
         self.resolve_components()
-        self.resolve_debug()
-        self.check_rules()
-        self.check_ranges()
-        self.check_step_selection()
-        self.errors.extend(conflicting_flags(self.config))
+        self.check_rewards()
+        if scope == "train":
+            self.resolve_debug()
+            self.check_rules()
+            self.check_ranges()
+            self.check_step_selection()
+            self.errors.extend(conflicting_flags(self.config))
         if self.errors:
             raise ConfigError(self.errors)
         self.config.freeze()
@@ -354,6 +367,47 @@ class _Resolver:
             self.fail("--loss-type custom_loss requires --custom-loss-function-path")
         if self.v("custom_loss_function_path") is not None and self.v("loss_type") != "custom_loss":
             self.fail("--custom-loss-function-path is used only with --loss-type custom_loss")
+
+    def check_rewards(self) -> None:
+        """The reward mixtures (``--reward-weights``, ``--eval-reward-weights``): known
+        names, finite weights, not combined with a single reward; and
+        ``--reward-aggregation advantage``, which needs a mixture and the built-in
+        normalisation."""
+        import math
+
+        from miles_core.config.model import Component
+
+        v, registry = self.v, self.host.registries.reward
+        for dest, alone in (("reward_weights", ("rm_type", "custom_rm_path")), ("eval_reward_weights", ("eval_rm_type",))):
+            weights, flag = v(dest), self.name(dest)
+            if weights is None:
+                continue
+            if not weights:
+                self.fail(f"{flag} {{}}: name at least one registered reward and its weight")
+                continue
+            for other in alone:
+                if v(other) is not None:
+                    self.fail(f"{flag} and {self.name(other)} are mutually exclusive (the mixture is the reward)")
+            for reward, weight in weights.items():
+                if reward not in registry:
+                    self.fail(registry.unknown_message(reward, flag=flag))
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                    self.fail(f"{flag}: the weight of {reward} is {weight!r}; weights must be finite numbers")
+            if dest == "reward_weights" and all(name in registry for name in weights):
+                providers = sorted({str(registry.get(name).plugin) for name in weights})
+                label = " + ".join(f"{w:g}*{n}" if isinstance(w, (int, float)) else f"{w!r}*{n}" for n, w in weights.items())
+                self.config.components["reward"] = Component("reward", label, ", ".join(providers))
+        if v("reward_aggregation") == "advantage":
+            if v("reward_weights") is None:
+                self.fail("--reward-aggregation advantage requires --reward-weights (it normalises each reward of "
+                          "the mixture within its group)")
+            if v("custom_reward_post_process_path") is not None:
+                self.fail("--reward-aggregation advantage and --custom-reward-post-process-path are mutually "
+                          "exclusive (the custom function replaces the normalisation)")
+        unused = [self.name(d) for d in ("eval_reward_key", "eval_rm_type", "eval_reward_weights") if v(d) is not None]
+        if unused and v("eval_interval") is None:
+            self.config.notes.append(f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
+                                     f"{'they have' if len(unused) > 1 else 'it has'} no effect")
 
     # -- debug dumps and replays -------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -46,6 +47,7 @@ class EmbeddedEngine(RolloutEngine):
         self.backends = dict(backends) if backends is not None else installed_backends()
         self._lock = threading.Lock()
         self.conditioning_cache = ConditioningCache()
+        self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_checkpoint(
@@ -86,7 +88,17 @@ class EmbeddedEngine(RolloutEngine):
             return sample(self.family, request, self.backends, self.conditioning_cache)
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
-        return await asyncio.to_thread(self.generate_sync, request)
+        # One thread of the engine's own: requests run one at a time anyway (the lock), and
+        # waiting ones must not fill the event loop's default pool, which the rewards use
+        # to score returned microgroups while the rest generates (streaming scoring).
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-engine")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.generate_sync, request)
+
+    async def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     # -- weights ---------------------------------------------------------------------
 

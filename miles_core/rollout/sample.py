@@ -23,9 +23,16 @@ class Sample:
     sde_step_indices: tuple[int, ...]
     output: RolloutOutput
     reward: float | None = None
+    """The trained scalar (NaN when the sample's reward failed)."""
     reward_components: dict[str, float] = field(default_factory=dict)
+    """Each weighted reward of a mixture (``--reward-weights``), or the other keys of a
+    dict-valued reward; empty for a plain single reward."""
+    reward_failed: bool = False
+    """Its reward raised or returned no finite number: it is left out of the group
+    statistics, gets advantage 0 and is masked in the loss (``remove_sample``)."""
     remove_sample: bool = False
-    """Set by a per-sample filter: kept for advantage normalisation, masked in the loss."""
+    """Set by a per-sample filter: kept for advantage normalisation, masked in the loss.
+    Also set for a sample whose reward failed (which is *not* kept for normalisation)."""
 
     @property
     def pixels(self) -> torch.Tensor:

@@ -14,12 +14,25 @@ called as in the reference (``RolloutManager._post_process_rewards``)::
 
 Samples a per-sample filter marked ``remove_sample`` still count here: the filter masks
 their loss, not their place in the group statistics (``--rollout-sample-filter-path``).
+
+Samples whose reward failed (``reward_failed``: the reward raised or returned no finite
+number, see :mod:`miles_core.training.rewards`) do not: each group's mean and std are taken
+over its valid samples only, and a failed sample's advantage is 0 (its loss is masked too).
+A group with one valid sample gives it advantage 0; with none, all 0.
+
+``--reward-aggregation advantage`` (with a ``--reward-weights`` mixture): each reward
+component is normalised within its group as above (same eps and flags), and the advantage
+is the weighted sum ``sum_k w_k * A_k`` of the per-component advantages, so one reward's
+scale cannot drown another. ``sum`` (the default) normalises the weighted sum of the raw
+rewards instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import math
 
 import torch
 
@@ -101,9 +114,105 @@ def grpo_advantages(
     return centered.reshape(-1)
 
 
-def _check_values(values: Any, expected: int, what: str, prefix: str) -> torch.Tensor:
+def masked_grpo_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    valid: torch.Tensor | Sequence[bool],
+    n_samples_per_prompt: int,
+    *,
+    globalize_mean: bool = False,
+    globalize_std: bool = False,
+    std_normalization: bool = True,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """:func:`grpo_advantages` over the ``valid`` samples only: the means and stds (per
+    group, or of the batch with the globalize flags) are those of the valid rewards, an
+    invalid sample's advantage is 0 (its reward may be anything, NaN included), and so is
+    that of a group's only valid sample when dividing by the group's std. With every
+    sample valid it is exactly :func:`grpo_advantages`."""
+    flat = _as_float_tensor(rewards)
+    mask = torch.as_tensor(valid, dtype=torch.bool)
+    if mask.shape != flat.shape:
+        raise ValueError(f"valid mask of shape {tuple(mask.shape)} for rewards of shape {tuple(flat.shape)}")
+    if bool(mask.all()):
+        return grpo_advantages(flat, n_samples_per_prompt, globalize_mean=globalize_mean, globalize_std=globalize_std,
+                               std_normalization=std_normalization, eps=eps)
+    filled = torch.where(mask, flat, torch.zeros_like(flat))
+    grpo_advantages(filled, n_samples_per_prompt)  # the shape checks, and finite valid rewards
+    if not bool(mask.any()):
+        return torch.zeros_like(flat)
+    n = n_samples_per_prompt
+    groups, weights = filled.view(-1, n), mask.view(-1, n).to(flat.dtype)
+    count = weights.sum(dim=-1, keepdim=True)
+    group_mean = groups.sum(dim=-1, keepdim=True) / count.clamp(min=1)
+    mean = flat[mask].mean() if globalize_mean else group_mean
+    centered = (groups - mean) * weights
+    if std_normalization and n > 1:
+        if globalize_std:
+            kept = flat[mask]
+            std = kept.std() if kept.numel() > 1 else torch.zeros((), dtype=flat.dtype)
+        else:  # unbiased, as Tensor.std(), over each group's valid rewards
+            var = (((groups - group_mean) * weights) ** 2).sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)
+            std = var.sqrt()
+            # A group's only valid sample has no spread to divide by (its centred value is
+            # 0 anyway unless --globalize-reward-mean): advantage 0.
+            centered = torch.where(count > 1, centered, torch.zeros_like(centered))
+        centered = centered / (std + eps)
+    return (centered * weights).reshape(-1)
+
+
+def _failed_mask(samples: Sequence[Any] | None, total: int) -> torch.Tensor:
+    """``[total]`` bool: the samples whose reward failed (none without samples)."""
+    if samples is None:
+        return torch.zeros(total, dtype=torch.bool)
+    return torch.tensor([bool(getattr(s, "reward_failed", False)) for s in samples], dtype=torch.bool)
+
+
+def _grpo_options(config: Any) -> dict[str, Any]:
+    return {
+        "globalize_mean": bool(config.globalize_reward_mean),
+        "globalize_std": bool(config.globalize_reward_std),
+        "std_normalization": not config.disable_grpo_std_normalization,
+    }
+
+
+def component_advantages(
+    rewards: torch.Tensor | Sequence[float], config: Any, samples: Sequence[Any], valid: torch.Tensor
+) -> torch.Tensor:
+    """``--reward-aggregation advantage``: ``sum_k w_k * A_k`` where ``A_k`` is component
+    ``k`` (each sample's ``reward_components[k]``) normalised within its group over the
+    valid samples, with ``config.reward_weights`` as ``w``. A group scored by a single
+    reward instead (a sample's ``metadata["rm_type"]``: no components) is normalised on
+    its reward as with ``sum``."""
+    flat = _as_float_tensor(rewards)
+    weights = dict(getattr(config, "reward_weights", None) or {})
+    if not weights:
+        raise ValueError("--reward-aggregation advantage needs --reward-weights (the mixture whose rewards it normalises)")
+    n, options = config.n_samples_per_prompt, _grpo_options(config)
+    mixed = torch.tensor([all(k in (s.reward_components or {}) for k in weights) for s in samples], dtype=torch.bool)
+    # A prompt group is scored one way: by the mixture (every valid sample has the components) or by one reward.
+    for g, (is_mixed, ok) in enumerate(zip(mixed.view(-1, n).tolist(), valid.view(-1, n).tolist())):
+        kinds = {m for m, v in zip(is_mixed, ok) if v}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"--reward-aggregation advantage: prompt group {g} mixes samples scored by the --reward-weights "
+                "mixture with samples scored by one reward (metadata rm_type); a group needs one kind"
+            )
+    total = torch.zeros_like(flat)
+    for name, weight in weights.items():
+        keep = valid & mixed
+        values = torch.tensor([float(s.reward_components.get(name, math.nan)) if k else 0.0
+                               for s, k in zip(samples, keep.tolist())], dtype=flat.dtype)
+        total = total + weight * masked_grpo_advantages(values, keep, n, **options)
+    single = valid & ~mixed
+    if bool(single.any()):
+        total = total + masked_grpo_advantages(flat, single, n, **options)
+    return total
+
+
+def _check_values(values: Any, expected: int, what: str, prefix: str, skip: torch.Tensor | None = None) -> torch.Tensor:
     """``values`` as a float64 ``[expected]`` tensor of finite numbers, or a one-line error
-    starting with ``prefix`` (the flag and its value)."""
+    starting with ``prefix`` (the flag and its value). Positions in ``skip`` (failed
+    samples) may hold anything numeric, NaN included."""
     if torch.is_tensor(values):
         tensor = values.detach()
     elif isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
@@ -118,7 +227,8 @@ def _check_values(values: Any, expected: int, what: str, prefix: str) -> torch.T
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise ValueError(f"{prefix}: {what} must be real numbers, got dtype {tensor.dtype}")
     tensor = tensor.to(torch.float64)
-    bad = (~torch.isfinite(tensor)).nonzero().flatten()
+    finite = torch.isfinite(tensor) if skip is None else torch.isfinite(tensor) | skip
+    bad = (~finite).nonzero().flatten()
     if bad.numel():
         index = int(bad[0])
         raise ValueError(f"{prefix}: {what} of sample {index} is {float(tensor[index])}; values must be finite")
@@ -133,22 +243,25 @@ def post_process_rewards(
     """``(raw_rewards, advantages)``, both ``[N]``: the reference's ``_post_process_rewards``.
 
     Without ``--custom-reward-post-process-path`` the raw rewards are ``rewards`` and the
-    advantages come from :func:`grpo_advantages` with the configuration's flags. With it,
-    the named function is called as ``fn(config, samples)`` (the reference's signature)
-    and must return ``(raw_rewards, advantages)``, each a tensor or list of ``N`` finite
-    numbers; anything else is a one-line ``ValueError`` naming the flag.
+    advantages come from :func:`masked_grpo_advantages` with the configuration's flags
+    (failed samples left out, advantage 0), or from :func:`component_advantages` under
+    ``--reward-aggregation advantage``. With it, the named function is called as
+    ``fn(config, samples)`` (the reference's signature) and must return
+    ``(raw_rewards, advantages)``, each a tensor or list of ``N`` numbers, finite except
+    at failed samples (whose advantage is then set to 0); anything else is a one-line
+    ``ValueError`` naming the flag.
     """
     flat = _as_float_tensor(rewards)
+    failed = _failed_mask(samples, flat.numel())
+    if failed.numel() != flat.numel():
+        raise ValueError(f"{failed.numel()} samples for {flat.numel()} rewards")
     path = getattr(config, "custom_reward_post_process_path", None)
     if not path:
-        advantages = grpo_advantages(
-            flat,
-            config.n_samples_per_prompt,
-            globalize_mean=bool(config.globalize_reward_mean),
-            globalize_std=bool(config.globalize_reward_std),
-            std_normalization=not config.disable_grpo_std_normalization,
-        )
-        return flat, advantages
+        if getattr(config, "reward_aggregation", "sum") == "advantage":
+            if samples is None:
+                raise ValueError("--reward-aggregation advantage: the samples (their reward components) are needed")
+            return flat, component_advantages(flat, config, samples, ~failed)
+        return flat, masked_grpo_advantages(flat, ~failed, config.n_samples_per_prompt, **_grpo_options(config))
 
     if samples is None:
         raise ValueError(f"{POST_PROCESS_FLAG} {path}: the function takes (args, samples); no samples were passed")
@@ -161,8 +274,9 @@ def post_process_rewards(
             f"{POST_PROCESS_FLAG} {path}: must return (raw_rewards, advantages), got {type(result).__name__}"
             + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
         )
-    raw = _check_values(result[0], flat.numel(), "raw_rewards", f"{POST_PROCESS_FLAG} {path}")
-    advantages = _check_values(result[1], flat.numel(), "advantages", f"{POST_PROCESS_FLAG} {path}")
+    raw = _check_values(result[0], flat.numel(), "raw_rewards", f"{POST_PROCESS_FLAG} {path}", failed)
+    advantages = _check_values(result[1], flat.numel(), "advantages", f"{POST_PROCESS_FLAG} {path}", failed)
+    advantages = torch.where(failed, torch.zeros_like(advantages), advantages)
     # Hand back the dtype the built-in path would have produced, so callers see one type.
     return raw.to(flat.dtype), advantages.to(flat.dtype)
 
@@ -176,11 +290,16 @@ def advantages_from_config(
     (``n_samples_per_prompt``, ``globalize_reward_mean``, ``globalize_reward_std``,
     ``disable_grpo_std_normalization``, ``custom_reward_post_process_path``).
 
-    ``samples`` (the rollout's samples, in the rewards' order) are needed only by a
-    custom post-process function. Samples with ``remove_sample`` are included: they
-    count for normalisation and are masked only in the loss.
+    ``samples`` (the rollout's samples, in the rewards' order) say which rewards failed
+    (``reward_failed``: left out of the statistics, advantage 0) and carry the reward
+    components of ``--reward-aggregation advantage``; a custom post-process function gets
+    them too. Samples with ``remove_sample`` (and a reward) are included: they count for
+    normalisation and are masked only in the loss.
     """
     return post_process_rewards(rewards, config, samples)[1]
 
 
-__all__ = ["DEFAULT_EPS", "POST_PROCESS_FLAG", "advantages_from_config", "grpo_advantages", "post_process_rewards"]
+__all__ = [
+    "DEFAULT_EPS", "POST_PROCESS_FLAG", "advantages_from_config", "component_advantages", "grpo_advantages",
+    "masked_grpo_advantages", "post_process_rewards",
+]

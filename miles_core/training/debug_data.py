@@ -8,15 +8,17 @@ safetensors records, nothing pickled); a path template is formatted with the rol
 
 Rollout data: ``{"format": ROLLOUT_FORMAT, "version", "rollout_id", "samples": [...],
 "rewards": tensor [N], "outputs": bytes}`` where each sample record holds the prompt,
-metadata, group index, index in group, seed, SDE steps, reward, reward components and
-``remove_sample``, and ``outputs`` is :func:`~miles_core.engine.wire.pack_outputs` of the
-samples' :class:`~miles_core.engine.request.RolloutOutput` records (a ``/rollout/generate``
+metadata, group index, index in group, seed, SDE steps, reward (NaN when it failed),
+reward components, ``reward_failed`` and ``remove_sample`` (files written before
+``reward_failed`` existed read as not failed), and ``outputs`` is
+:func:`~miles_core.engine.wire.pack_outputs` of the samples'
+:class:`~miles_core.engine.request.RolloutOutput` records (a ``/rollout/generate``
 response body: pixels, log-probs, trajectories, conditioning), in the same order.
 
 Train data: ``{"format": TRAIN_FORMAT, "version", "rollout_id", "samples": {...},
 "rewards", "advantages", "pairs": {...}, "metrics"}``: per sample its seed and group,
-reward and advantage; per train pair (sample, SDE step) the sample's index, the step, the
-old log-probability the loss used (the engine's, or the trainer's own under
+reward, advantage and whether its reward failed; per train pair (sample, SDE step) the
+sample's index, the step, the old log-probability the loss used (the engine's, or the trainer's own under
 ``--diffusion-recompute-old-log-prob``), the advantage and the loss mask; and the
 rollout's train metrics.
 """
@@ -73,6 +75,7 @@ def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample],
                 "sde_step_indices": list(s.sde_step_indices),
                 "reward": s.reward,
                 "reward_components": dict(s.reward_components),
+                "reward_failed": bool(getattr(s, "reward_failed", False)),
                 "remove_sample": s.remove_sample,
             }
             for s in samples
@@ -120,6 +123,7 @@ def load_rollout_data(
                 output=output,
                 reward=record["reward"],
                 reward_components=dict(record["reward_components"]),
+                reward_failed=bool(record.get("reward_failed", False)),
                 remove_sample=bool(record["remove_sample"]),
             )
             for record, output in zip(records, outputs)
@@ -173,6 +177,7 @@ def save_train_data(
             "group_index": [s.group_index for s in samples],
             "index_in_group": [s.index_in_group for s in samples],
             "remove_sample": [s.remove_sample for s in samples],
+            "reward_failed": [bool(getattr(s, "reward_failed", False)) for s in samples],
         },
         "rewards": rewards.detach().cpu().to(torch.float32),
         "advantages": advantages.detach().cpu().to(torch.float32),

@@ -8,6 +8,14 @@ comparison (``eval/<name>/paired_gain``), far less noisy than comparing rollout 
 ``--eval-function-path`` (else ``--rollout-function-path``) replaces the sampling of each
 eval set: it is called with ``evaluation=True`` and an :class:`EvalPrompts` source, and
 its samples are scored and compared like the built-in ones.
+
+Evaluations are scored by their own :class:`~miles_core.training.rewards.RewardScorer`
+(``evaluation=True``): ``--eval-rm-type`` or ``--eval-reward-weights`` when set (a held-out
+reward watches for reward hacking), else the training reward, with ``--eval-reward-key``
+(default ``--reward-key``) picking the scalar of a dict reward. Each eval set reports
+``eval/<name>/reward_mean`` and ``reward_std`` over its samples whose reward did not fail,
+``eval/<name>/reward/<component>_mean`` per reward component, ``eval/<name>/reward/failed``
+and the paired gain over the samples valid in both evaluations.
 """
 
 from __future__ import annotations
@@ -89,10 +97,14 @@ async def eval_samples(
 
 
 class Evaluator:
-    def __init__(self, config: Any, engine: Any, scorer: Any) -> None:
+    def __init__(self, config: Any, engine: Any, scorer: Any = None) -> None:
+        """``scorer``: an evaluation scorer (``RewardScorer(config, evaluation=True)``) to
+        use, or the run's training scorer, whose built reward models the evaluation scorer
+        then shares; unset: the evaluation scorer is built on the first evaluation."""
         self.config = config
         self.engine = engine
-        self.scorer = scorer
+        self.training_scorer = None if getattr(scorer, "evaluation", True) else scorer
+        self._scorer = scorer if self.training_scorer is None else None
         pairs = list(config.eval_prompt_data or [])
         key = config.eval_input_key or config.input_key
         self.datasets: dict[str, list[PromptRecord]] = {
@@ -101,6 +113,15 @@ class Evaluator:
         }
         self.first: EvalResult | None = None
         self.hook = eval_hook(config)  # None: the built-in evaluation
+
+    @property
+    def scorer(self) -> Any:
+        """The evaluation's reward scorer (built on first use)."""
+        if self._scorer is None:
+            from miles_core.training.rewards import RewardScorer
+
+            self._scorer = RewardScorer(self.config, evaluation=True, share=self.training_scorer)
+        return self._scorer
 
     def requests(self, records: list[PromptRecord]) -> list[RolloutRequest]:
         return eval_requests(self.config, records)
@@ -120,18 +141,26 @@ class Evaluator:
         """Sample and score every eval set; ``rollout_id`` is the rollout whose record
         the result goes into (passed on to an eval rollout function)."""
         result = EvalResult({}, {})
+        scorer = self.scorer
         for name, records in self.datasets.items():
             samples = await self.sample(name, records, rollout_id)
-            rewards = await self.scorer.score(samples)
+            rewards = await scorer.score(samples)
             result.samples[name] = samples
             result.rewards[name] = rewards
             result.images[name] = [s.pixels for s in samples]
-            result.metrics[f"eval/{name}/reward_mean"] = float(rewards.mean())
-            result.metrics[f"eval/{name}/reward_std"] = float(rewards.std(unbiased=False))
+            # RewardError when every sample failed; rewards of failed samples are NaN.
+            reward = scorer.finish(samples, prefix=f"eval/{name}/reward/")
+            result.metrics[f"eval/{name}/reward_mean"] = reward.pop(f"eval/{name}/reward/raw_mean")
+            result.metrics[f"eval/{name}/reward_std"] = reward.pop(f"eval/{name}/reward/raw_std")
+            for stat in ("raw_min", "raw_max"):
+                reward.pop(f"eval/{name}/reward/{stat}")
+            result.metrics.update(reward)
             if self.first is not None:
                 gain = rewards - self.first.rewards[name]
-                result.metrics[f"eval/{name}/paired_gain"] = float(gain.mean())
-                result.metrics[f"eval/{name}/paired_gain_std"] = float(gain.std(unbiased=False))
+                gain = gain[torch.isfinite(gain)]  # the samples whose reward did not fail, now and then
+                if gain.numel():
+                    result.metrics[f"eval/{name}/paired_gain"] = float(gain.mean())
+                    result.metrics[f"eval/{name}/paired_gain_std"] = float(gain.std(unbiased=False))
         if self.first is None:
             self.first = result
         return result

@@ -201,7 +201,8 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
         if sft:
             loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts, progress)
         else:
-            loop = _rl_rollouts(config, engine, trainer, data_source, schedule.lr_at, start, total_rollouts, out, progress)
+            loop = _rl_rollouts(config, engine, trainer, data_source, schedule.lr_at, start, total_rollouts, out, progress,
+                                log=log)
         first: dict[str, Any] = {}
         logger = None
         failed = True
@@ -290,13 +291,16 @@ def _backend(config: Config) -> Any:
 
 async def _rl_rollouts(
     config: Config, engine: Any, trainer: Any, data_source: Any, lr_at: Any, start: int, total: int, out: Path,
-    progress: Any = None,
+    progress: Any = None, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ):
-    """Yield ``(metrics, samples)`` per rollout: generate (or replay), score, train, sync."""
+    """Yield ``(metrics, samples)`` per rollout: generate (or replay) while scoring,
+    filter, train, sync."""
+    from miles_core.rollout.filters import RolloutFilters
     from miles_core.training.advantages import advantages_from_config
     from miles_core.training.debug_data import load_rollout_data, save_rollout_data, save_train_data
     from miles_core.training.evaluation import Evaluator, save_grid
     from miles_core.training.metrics_logging import Progress, custom_log_function
+    from miles_core.training.rewards import reward_metrics as saved_reward_metrics
     from miles_core.training.weight_sync import sync_to_engine
 
     progress = progress or Progress(enabled=False)
@@ -315,6 +319,7 @@ async def _rl_rollouts(
     pending_sync = await sync_weights({}) if remote else {}
     weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
     rollouts = None if replay else _RolloutSource(config, engine, data_source, progress, total)
+    filters = RolloutFilters(config)
     log_rollout = custom_log_function(config)
     log_eval = custom_log_function(config, evaluation=True)
     engine_weights = nullcontext if remote else policy_weights  # the embedded engine samples the trainer's modules
@@ -348,37 +353,48 @@ async def _rl_rollouts(
                 subsample=config.load_debug_rollout_data_subsample, seed=config.rollout_seed,
             )
             generated = time.perf_counter()
+            reward_metrics, reward_busy = saved_reward_metrics(samples), 0.0
         else:
+            # Scoring starts as each microgroup returns (unless --no-streaming-reward) and
+            # goes on while the rest generates; score() waits for what is left.
             with engine_weights():
                 samples = await rollouts.generate(rollout_id)
             generated = time.perf_counter()
-            rewards = await rollouts.scorer.score(samples)
+            rewards, reward_metrics, reward_busy = await rollouts.score(samples)
             if config.save_debug_rollout_data:
                 save_rollout_data(config.save_debug_rollout_data, rollout_id, samples, rewards)
-        advantages = advantages_from_config(rewards, config, samples)
+        kept = await filters.apply(rollout_id, samples)
+        train_samples = kept.samples
+        position = {id(sample): index for index, sample in enumerate(samples)}
+        train_rewards = rewards[torch.tensor([position[id(sample)] for sample in train_samples], dtype=torch.long)]
+        advantages = advantages_from_config(train_rewards, config, train_samples) if train_samples else None
         scored = time.perf_counter()
         metrics: dict[str, Any] = {"rollout_id": rollout_id}
-        if not config.debug_rollout_only:
+        trains = advantages is not None and not config.debug_rollout_only
+        if advantages is None:
+            log(f"warning: rollout {rollout_id}: the rollout filters kept no prompt group "
+                f"({kept.metrics['rollout/filter/groups_dropped']} dropped by --dynamic-sampling-filter-path, "
+                f"{kept.metrics['rollout/filter/groups_unselected']} left out by --buffer-filter-path); "
+                "no optimizer step this rollout")
+        if trains:
             unit = "step" if config.loss_type == "nft" else "micro-batch"
             with progress.training(trainer, f"train {rollout_id + 1}/{total}", unit):
-                metrics.update(trainer.train_rollout(samples, advantages, lr_at))
+                metrics.update(trainer.train_rollout(train_samples, advantages, lr_at))
             if config.save_debug_train_data:
-                save_train_data(config.save_debug_train_data, rollout_id, samples, rewards, advantages,
+                save_train_data(config.save_debug_train_data, rollout_id, train_samples, train_rewards, advantages,
                                 trainer.last_pairs, metrics)
         trained = time.perf_counter()
         if remote:
-            if weights_change:
+            if weights_change and trains:
                 pending_sync = await sync_weights(pending_sync)
             metrics.update({"perf/weight_sync_time": 0.0, "perf/weight_sync_bytes": 0, **pending_sync})
             pending_sync = {}
         synced = time.perf_counter()
         rollout_metrics = {
-            "rollout/reward/raw_mean": float(rewards.mean()),
-            "rollout/reward/raw_std": float(rewards.std(unbiased=False)),
-            "rollout/reward/raw_min": float(rewards.min()),
-            "rollout/reward/raw_max": float(rewards.max()),
-            "rollout/advantages/abs_mean": float(advantages.abs().mean()),
-            "rollout/num_samples": len(samples),
+            **reward_metrics,
+            **({"rollout/advantages/abs_mean": float(advantages.abs().mean())} if advantages is not None else {}),
+            "rollout/num_samples": len(train_samples),
+            **kept.metrics,
             # The count is per request: every output of a microgroup carries its request's total.
             "rollout/log_prob_fallbacks": sum({s.output.request_id: s.output.log_prob_fallbacks for s in samples}.values()),
         }
@@ -388,8 +404,14 @@ async def _rl_rollouts(
         else:
             metrics.update(rollout_metrics)
         metrics.update({
+            # Generation wall time (a replay: loading the file).
             "perf/rollout_time": generated - began,
+            # From the end of generation until the training batch is ready: the wait for the
+            # scoring still running, the reward metrics, the filters and the advantages.
             "perf/reward_time": scored - generated,
+            # Seconds the reward's score() calls ran, summed (overlapping calls add up):
+            # what scoring costs, whether or not it overlapped generation.
+            "perf/reward_busy_time": reward_busy,
             "perf/train_time": trained - scored,
             "perf/step_time": synced - began,
         })
@@ -411,9 +433,10 @@ def _rollout_policy_weights(config: Config, trainer: Any) -> Callable[[], Any]:
 
 
 class _RolloutSource:
-    """Prompts, the engine and the reward of a run: one rollout's scored-ready samples
-    per :meth:`generate` (the built-in rollout, with a progress bar over its
-    microgroups, or the checked samples of ``--rollout-function-path``)."""
+    """Prompts, the engine and the reward of a run: :meth:`generate` produces one
+    rollout's samples (the built-in rollout, with a progress bar over its microgroups, or
+    the checked samples of ``--rollout-function-path``) and starts scoring each
+    microgroup as it returns; :meth:`score` waits for the scores."""
 
     def __init__(self, config: Config, engine: Any, data_source: Any, progress: Any, total: int) -> None:
         from miles_core.rollout.hooks import rollout_hook
@@ -426,22 +449,142 @@ class _RolloutSource:
         self.total = total
         self.scorer = RewardScorer(config)
         self.hook = rollout_hook(config)
+        self.streaming = not getattr(config, "no_streaming_reward", False)
+        self._pending: StreamingScores | None = None
 
     async def generate(self, rollout_id: int) -> list[Any]:
         from miles_core.rollout.generate import diffusion_rollout
         from miles_core.rollout.hooks import check_samples
 
         config = self.config
+        self._pending = pending = StreamingScores(self.scorer, config.n_samples_per_prompt)
         if self.hook is not None:
+            # A rollout function hands its samples over at once: they are scored in score().
             samples = await self.hook(config, rollout_id, self.engine, self.data_source)
             return check_samples(self.hook, samples, config.n_samples_per_prompt)
         per_group = math.ceil(config.n_samples_per_prompt / config.rollout_microgroup_size)
         total = config.rollout_batch_size * per_group
         with self.progress.phase(f"rollout {rollout_id + 1}/{self.total}", total, "microgroup") as bar:
-            async def advance(_: list[Any]) -> None:
+            async def on_microgroup(samples: list[Any]) -> None:
                 bar.update(1)
+                if self.streaming:
+                    pending.add(samples)
 
-            return await diffusion_rollout(config, rollout_id, self.engine, self.data_source, on_microgroup=advance)
+            return await pending.guard(
+                diffusion_rollout(config, rollout_id, self.engine, self.data_source, on_microgroup=on_microgroup)
+            )
+
+    async def score(self, samples: list[Any]) -> tuple[torch.Tensor, dict[str, float], float]:
+        """Score what :meth:`generate` did not already send (everything without
+        streaming), wait for all of it; return the rewards in sample order, the reward
+        metrics of the rollout (the scorer's ``finish``) and the seconds the score calls
+        ran, summed."""
+        pending = self._pending or StreamingScores(self.scorer, self.config.n_samples_per_prompt)
+        self._pending = None
+        pending.add_rest(samples)
+        await pending.wait()
+        rewards = torch.tensor([_reward_value(s) for s in samples], dtype=torch.float32)
+        # RewardError naming the reward when every sample's reward failed.
+        return rewards, self.scorer.finish(samples), pending.busy
+
+
+def _reward_value(sample: Any) -> float:
+    return math.nan if sample.reward is None else float(sample.reward)
+
+
+class StreamingScores:
+    """The scoring of one rollout, started piece by piece while it generates.
+
+    :meth:`add` takes the samples of one returned microgroup and starts a task scoring
+    them; when the scorer needs whole prompt groups (``--group-rm``), a group's task
+    starts when its last microgroup returns. :meth:`add_rest` scores whatever was not
+    sent yet (a rollout function's samples, or all of them without streaming) in one
+    call, :meth:`wait` waits for every task. A scoring task that fails stops the
+    generation it overlaps (:meth:`guard`) and the error reaches the run."""
+
+    def __init__(self, scorer: Any, group_size: int) -> None:
+        self.scorer = scorer
+        self.group_size = group_size
+        self.whole_groups = bool(getattr(scorer, "needs_whole_groups", False))
+        self.tasks: list[asyncio.Task] = []
+        self.sent: set[int] = set()
+        self.partial: dict[int, list[Any]] = {}
+        self.busy = 0.0
+        """Seconds the score calls ran, summed over calls."""
+        self._failed: asyncio.Future | None = None
+
+    def _failure(self) -> asyncio.Future:
+        if self._failed is None:
+            self._failed = asyncio.get_running_loop().create_future()
+        return self._failed
+
+    async def _score(self, samples: list[Any]) -> None:
+        began = time.perf_counter()
+        try:
+            await self.scorer.score(samples)
+        finally:
+            self.busy += time.perf_counter() - began
+
+    def _start(self, samples: list[Any]) -> None:
+        self.sent.update(id(s) for s in samples)
+        task = asyncio.ensure_future(self._score(samples))
+        failure = self._failure()
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None and not failure.done():
+                failure.set_exception(task.exception())
+
+        task.add_done_callback(done)
+        self.tasks.append(task)
+
+    def add(self, samples: list[Any]) -> None:
+        if not self.whole_groups:
+            self._start(list(samples))
+            return
+        for sample in samples:
+            group = self.partial.setdefault(sample.group_index, [])
+            group.append(sample)
+            if len(group) == self.group_size:
+                del self.partial[sample.group_index]
+                self._start(sorted(group, key=lambda s: s.index_in_group))
+
+    def add_rest(self, samples: list[Any]) -> None:
+        rest = [s for s in samples if id(s) not in self.sent]
+        if rest:
+            self._start(rest)
+
+    async def guard(self, generation: Any) -> Any:
+        """Await ``generation``; if a scoring task fails first, cancel it and raise
+        that error. Whatever goes wrong, no scoring task is left running."""
+        generating = asyncio.ensure_future(generation)
+        failure = self._failure()
+        try:
+            await asyncio.wait({generating, failure}, return_when=asyncio.FIRST_COMPLETED)
+            if not generating.done():
+                generating.cancel()
+                await asyncio.gather(generating, return_exceptions=True)
+                failure.result()  # raises the scoring error
+            return generating.result()
+        except BaseException:
+            if not generating.done():
+                generating.cancel()
+            self.cancel()
+            raise
+
+    async def wait(self) -> None:
+        try:
+            await asyncio.gather(*self.tasks)
+        except BaseException:
+            self.cancel()
+            raise
+        finally:
+            failure = self._failed
+            if failure is not None and failure.done() and not failure.cancelled():
+                failure.exception()  # retrieved: no "exception was never retrieved" warning
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 async def _sft_rollouts(config: Config, trainer: Any, rows: list, lr_at: Any, start: int, total: int, progress: Any):

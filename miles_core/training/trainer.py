@@ -164,12 +164,22 @@ class Trainer:
         if self.on_progress is not None:
             self.on_progress(*self._progress)
 
-    def _window_size(self, count: int) -> int:
-        """Samples per optimizer step: ``--global-batch-size`` for a full rollout (the
-        config guarantees ``rollout size = global batch x steps``); a subsampled replay
-        (``--load-debug-rollout-data-subsample``) spreads the samples it has over the same
-        ``--num-steps-per-rollout`` steps."""
-        return max(1, math.ceil(count / self.config.num_steps_per_rollout))
+    def _step_windows(self, count: int) -> list[range]:
+        """The sample indices of each optimizer step: ``--num-steps-per-rollout``
+        contiguous windows of ``--global-batch-size`` samples for a full rollout (the
+        config guarantees ``rollout size = global batch x steps``). A smaller batch (a
+        subsampled replay, ``--load-debug-rollout-data-subsample``, or groups dropped by a
+        rollout filter) is spread over the same number of steps, window sizes differing by
+        at most one, so the learning-rate schedule and the EMA advance as planned; with
+        fewer samples than steps, one step per sample (never a step without samples)."""
+        steps = min(self.config.num_steps_per_rollout, count)
+        if steps == 0:
+            return []
+        size, extra = divmod(count, steps)
+        bounds = [0]
+        for step in range(steps):
+            bounds.append(bounds[-1] + size + (1 if step < extra else 0))
+        return [range(start, end) for start, end in zip(bounds, bounds[1:])]
 
     def _rank_share(self, items: Sequence[Any]) -> list[Any]:
         """This rank's share of one optimizer step's samples (``--train-dp-split-mode``)."""
@@ -247,13 +257,13 @@ class Trainer:
         ``v_old`` from the EMA ("old") policy. Noise and permutations come from a
         generator seeded by ``(--seed, optimizer step)``."""
         config = self.config
-        gbs = self._window_size(len(samples))
         primary = self.family.latent_streams[0]
         per_step: dict[str, list[float]] = defaultdict(list)
         self.last_pairs = []
-        self._progress_start(config.num_steps_per_rollout)
-        for step in range(config.num_steps_per_rollout):
-            window = self._rank_share(range(step * gbs, min((step + 1) * gbs, len(samples))))
+        step_windows = self._step_windows(len(samples))
+        self._progress_start(len(step_windows))
+        for step_window in step_windows:
+            window = self._rank_share(step_window)
             if lr_at is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(self.optimizer_steps)
@@ -304,18 +314,18 @@ class Trainer:
 
     def train_rollout(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:
         """Take ``num_steps_per_rollout`` optimizer steps over the rollout's samples
-        (``global_batch_size`` samples each); return the rollout's training metrics,
-        per-step values as lists (``train/clipfrac_per_step``)."""
+        (``global_batch_size`` samples each; a batch that rollout filters made smaller is
+        spread over the same steps, see :meth:`_step_windows`); return the rollout's
+        training metrics, per-step values as lists (``train/clipfrac_per_step``)."""
         config = self.config
         if config.loss_type == "nft":
             return self.train_nft(samples, advantages, lr_at)
         pairs = self.pairs_from(config, samples, advantages)
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
-        gbs = self._window_size(len(samples))
         windows = []
-        for step in range(config.num_steps_per_rollout):
-            mine = set(self._rank_share(range(step * gbs, min((step + 1) * gbs, len(samples)))))
+        for step_window in self._step_windows(len(samples)):
+            mine = set(self._rank_share(step_window))
             windows.append([p for p in pairs if p.sample_index in mine])
         pairs = [p for window in windows for p in window]
         self.last_pairs = pairs

