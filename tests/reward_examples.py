@@ -94,3 +94,31 @@ async def log_rollout(rollout_id: int, args: Any, samples: Any, metrics: dict[st
 
 async def log_eval(rollout_id: int, args: Any, samples: Any, metrics: dict[str, Any]) -> None:
     LOGGED["eval"].append({name: list(group) for name, group in samples.items()})
+
+
+class Counting:
+    """A registered reward (registered by the tests as ``counting``): the mean pixel value;
+    counts its calls and outputs and reports them through ``pop_metrics``."""
+
+    def __init__(self, config: Any = None) -> None:
+        self.calls = self.outputs = 0
+
+    def __call__(self, outputs, prompts=None, metadata=None) -> list[float]:
+        self.calls += 1
+        self.outputs += len(outputs)
+        return [float(np.asarray(o, dtype=np.float64).mean()) for o in outputs]
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics = {"calls": self.calls, "outputs": self.outputs}
+        self.calls = self.outputs = 0
+        return metrics
+
+
+class Unbuildable:
+    """A registered reward (registered by the tests as ``unbuildable``) whose weights are missing."""
+
+    def __init__(self, config: Any = None) -> None:
+        raise OSError("no weights at /nowhere/model.safetensors")
+
+    def __call__(self, outputs, prompts=None, metadata=None) -> list[float]:
+        raise AssertionError("never built")

@@ -229,6 +229,40 @@ def test_custom_post_process_bad_returns_are_one_line_errors(fn, message):
     assert text.startswith("--custom-reward-post-process-path") and "\n" not in text
 
 
+SEEN: list[list[float]] = []
+
+
+def grpo_post_process(args, samples):
+    """A plain GRPO function, as users write it: each group's (r - mean) / (std + eps)."""
+    SEEN.append([s.reward for s in samples])
+    raw = torch.tensor([s.reward for s in samples], dtype=F64)
+    groups = raw.view(-1, args.n_samples_per_prompt)
+    advantages = (groups - groups.mean(dim=-1, keepdim=True)) / (groups.std(dim=-1, keepdim=True) + EPS)
+    return raw, advantages.flatten()
+
+
+@pytest.mark.exercises("--custom-reward-post-process-path")
+def test_custom_post_process_sees_failed_samples_at_their_group_mean_and_they_get_advantage_0():
+    SEEN.clear()
+    # Group 0: sample 1 failed; group 1: every sample failed.
+    rewards = [0.1, math.nan, 0.4, 0.7, math.nan, math.nan, math.nan, math.nan]
+    samples = [SimpleNamespace(reward=r, reward_failed=math.isnan(r), remove_sample=math.isnan(r)) for r in rewards]
+    cfg = config(custom_reward_post_process_path=f"{__name__}.grpo_post_process")
+    raw, adv = post_process_rewards(torch.tensor(rewards, dtype=F64), cfg, samples)
+    # The function saw the failed sample at its group's mean valid reward (0.4: the mean
+    # is unchanged) and the all-failed group at 0; no NaN reached it.
+    assert SEEN == [pytest.approx([0.1, 0.4, 0.4, 0.7, 0.0, 0.0, 0.0, 0.0])]
+    filled = [0.1, 0.4, 0.4, 0.7]
+    group = [(r - 0.4) / (_std_unbiased(filled) + EPS) for r in filled]
+    group[1] = 0.0
+    close(adv, group + [0.0] * 4)
+    assert [math.isnan(r) for r in raw.tolist()] == [math.isnan(r) for r in rewards]
+    close(raw[[0, 2, 3]], [0.1, 0.4, 0.7])
+    # The samples keep their NaN reward, and the run path gives the same advantages.
+    assert [math.isnan(s.reward) for s in samples] == [math.isnan(r) for r in rewards]
+    close(advantages_from_config(torch.tensor(rewards, dtype=F64), cfg, samples), adv)
+
+
 def test_custom_post_process_needs_samples_and_a_real_path():
     cfg = config(custom_reward_post_process_path=f"{__name__}.rank_post_process")
     with pytest.raises(ValueError, match="no samples were passed"):

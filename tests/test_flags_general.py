@@ -328,8 +328,8 @@ def test_eval_flags_shape_the_evaluation_requests(tmp_path):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text('{"caption": "a red cube", "input": "x"}\n{"caption": "a blue ball", "input": "y"}\n')
     second.write_text('{"caption": "a green tree", "input": "z"}\n')
-    base = (*SD35, "--rollout-batch-size", "1", "--diffusion-num-steps", "6", "--eval-prompt-data",
-            "cubes", str(first), "trees", str(second))
+    base = (*SD35, "--rollout-batch-size", "1", "--diffusion-num-steps", "6", "--rm-type", "brightness",
+            "--eval-prompt-data", "cubes", str(first), "trees", str(second))  # the evaluator builds its reward
     config = resolve(*base, "--eval-input-key", "caption", "--n-samples-per-eval-prompt", "3",
                      "--diffusion-eval-num-steps", "2")
     evaluator = Evaluator(config, engine=None, scorer=None)

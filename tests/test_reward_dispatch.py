@@ -91,6 +91,21 @@ def tones(monkeypatch):
     return reward_examples.Tones
 
 
+@pytest.fixture
+def register(monkeypatch):
+    """``register(name, cls)``: registers ``tests.reward_examples.<cls>`` as reward ``name`` for one test."""
+    from miles_core.registry import PluginInfo, Registration
+    from miles_core.specs import RewardSpec
+
+    registry = get_host().registries.reward
+
+    def add(name, cls):
+        spec = RewardSpec(name=name, ref=f"tests.reward_examples:{cls}", description=f"test reward {cls}")
+        monkeypatch.setitem(registry._entries, name, Registration(spec, PluginInfo(name, "tests", "0")))
+
+    return add
+
+
 @pytest.fixture(autouse=True)
 def clear_calls():
     reward_examples.CALLS.clear()
@@ -110,7 +125,7 @@ def test_rm_type_is_built_once_and_scores_every_sample_in_one_call(recorded):
     assert scorer.finish(samples) == {
         "rollout/reward/raw_mean": pytest.approx(0.45), "rollout/reward/raw_std": pytest.approx(math.sqrt(0.0875)),
         "rollout/reward/raw_min": pytest.approx(0.1), "rollout/reward/raw_max": pytest.approx(0.9),
-        "rollout/reward/failed": 0,
+        "rollout/reward/failed": 0, "rollout/reward/brightness_failed": 0,
     }
 
 
@@ -124,8 +139,8 @@ def test_a_registered_reward_runs_off_the_event_loop_and_concurrent_calls_are_sa
     original, threads = Brightness.__call__, []
 
     def slow(self, outputs, prompts=None, metadata=None):
-        threads.append(threading.get_ident())
-        time.sleep(0.1)  # CPU-bound work, as far as the event loop can tell
+        threads.append((threading.get_ident(), len(outputs)))
+        time.sleep(0.2)  # CPU-bound work, as far as the event loop can tell
         return original(self, outputs, prompts, metadata)
 
     monkeypatch.setattr(Brightness, "__call__", slow)
@@ -147,7 +162,8 @@ def test_a_registered_reward_runs_off_the_event_loop_and_concurrent_calls_are_sa
     a, b = asyncio.run(main())
     assert a.tolist() == pytest.approx([0.1, 0.2]) and b.tolist() == pytest.approx([0.3, 0.4])
     assert len(ticks) >= 10  # the loop kept running during 0.2 s of reward work
-    assert threading.get_ident() not in threads and len(threads) == 2
+    # Both score() calls submitted their samples before the reward was free: one call for the four.
+    assert [n for _, n in threads] == [4] and threading.get_ident() not in [t for t, _ in threads]
 
 
 @pytest.mark.exercises("--rm-type")
@@ -232,6 +248,82 @@ def test_group_rm_calls_a_registered_reward_once_per_prompt_group(recorded):
     assert recorded.calls == [("brightness", 3), ("brightness", 3)]
 
 
+@pytest.fixture
+def slow_redness(monkeypatch):
+    """The registered redness reward, 0.3 s a call of several outputs (20 ms for one); the
+    number of outputs of each call."""
+    import time
+
+    from miles_rewards.diagnostic import Redness
+
+    original, sizes = Redness.__call__, []
+
+    def slow(self, outputs, prompts=None, metadata=None):
+        sizes.append(len(outputs))
+        time.sleep(0.3 if len(outputs) > 1 else 0.02)
+        return original(self, outputs, prompts, metadata)
+
+    monkeypatch.setattr(Redness, "__call__", slow)
+    return sizes
+
+
+def stream(scorer, microgroups, pause=0.01):
+    """Scores ``microgroups`` as a streaming rollout does (``StreamingScores``): the first,
+    then, while its call runs, the others one by one."""
+    from miles_core.training.run import StreamingScores
+
+    async def main():
+        pending = StreamingScores(scorer, 2)
+        pending.add(microgroups[0])
+        await asyncio.sleep(0.05)  # the first microgroup's call is running
+        for group in microgroups[1:]:
+            pending.add(group)
+            await asyncio.sleep(pause)
+        await pending.wait()
+
+    asyncio.run(main())
+
+
+@pytest.mark.exercises("--rm-type")
+def test_microgroups_arriving_while_a_reward_call_runs_go_into_its_next_call(slow_redness):
+    generator = torch.Generator().manual_seed(5)
+    samples = make_samples(levels=[0.5] * 10)
+    for sample in samples:
+        sample.pixels = torch.rand(3, 4, 4, generator=generator)
+    microgroups = [samples[i:i + 2] for i in range(0, 10, 2)]
+    stream(RewardScorer(resolve("--rm-type", "redness")), microgroups)
+    # Five microgroups, two calls: the four that arrived during the first call went in one.
+    assert slow_redness == [2, 8]
+    streamed = [s.reward for s in samples]
+    # The same values as one call for the whole rollout (--no-streaming-reward).
+    slow_redness.clear()
+    whole = make_samples(levels=[0.5] * 10)
+    for sample, original in zip(whole, samples):
+        sample.pixels = original.pixels
+    score(RewardScorer(resolve("--rm-type", "redness")), whole)
+    assert [s.reward for s in whole] == streamed
+    assert slow_redness == [10] and streamed == pytest.approx([redness(s.pixels) for s in samples])
+
+
+@pytest.mark.exercises("--rm-type")
+def test_a_coalesced_call_that_raises_is_retried_one_sample_at_a_time(slow_redness):
+    warnings: list[str] = []
+    samples = make_samples(levels=[0.2, 0.4, 0.6, 0.8, 0.3, 0.7])
+    samples[3].pixels = torch.zeros(1, 4, 4)  # redness raises for this one
+    scorer = RewardScorer(resolve("--rm-type", "redness"), warn=warnings.append)
+    stream(scorer, [samples[0:2], samples[2:4], samples[4:6]])
+    assert slow_redness == [2, 4, 1, 1, 1, 1]  # the call of the two later microgroups raised: one at a time
+    assert [s.reward_failed for s in samples] == [False, False, False, True, False, False]
+    assert [s.reward for i, s in enumerate(samples) if i != 3] == [0.0] * 5  # grey: no redness
+    assert warnings == [
+        "reward redness raised ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4) on a call of 4 samples; "
+        "scoring them one at a time",
+        "reward redness: 1 of 4 sample(s) failed on their own and are masked: 'prompt 1' (seed 103): ValueError: "
+        "redness needs 3 (RGB) channels, got shape (1, 4, 4)",
+    ]
+    assert scorer.finish(samples)["rollout/reward/redness_failed"] == 1
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
@@ -255,6 +347,7 @@ def test_one_sample_raising_or_nan_is_warned_about_masked_and_counted():
     ]
     metrics = scorer.finish(samples)
     assert metrics["rollout/reward/failed"] == 2 and metrics["rollout/reward/raw_mean"] == pytest.approx(7.0)
+    assert metrics["rollout/reward/custom_rm_failed"] == 2
     # Failed samples: out of their group's statistics and advantage 0.
     advantages = advantages_from_config(torch.tensor(rewards), resolve(), samples)
     assert advantages.tolist() == [0.0, 0.0, 0.0, 0.0]  # each group has one valid sample left
@@ -306,8 +399,8 @@ def test_a_reward_failing_for_every_sample_stops_the_rollout_naming_it():
     assert len(warnings) == 2 and all(s.reward_failed for s in samples)
     with pytest.raises(RewardError) as info:
         scorer.finish(samples)
-    assert str(info.value) == (f"reward --custom-rm-path {EXAMPLES}.always_fails failed for every sample of the rollout "
-                               "(4 samples); see the warnings above for why")
+    assert str(info.value) == (f"reward --custom-rm-path {EXAMPLES}.always_fails failed for every sample it scored in "
+                               "this rollout (4 samples); last error: RuntimeError: the reward server is offline")
     # Shape errors are not per sample: they stop at once.
     with pytest.raises(RewardError, match=f"^--custom-rm-path {EXAMPLES}.wrong_length returned 1 values for 4 samples$"):
         score(RewardScorer(resolve("--custom-rm-path", f"{EXAMPLES}.wrong_length")), make_samples())
@@ -317,8 +410,31 @@ def test_a_reward_failing_for_every_sample_stops_the_rollout_naming_it():
     for sample in samples:
         sample.pixels = torch.zeros(1, 4, 4)
     score(scorer, samples)
-    with pytest.raises(RewardError, match="^reward redness failed for every sample of the rollout"):
+    with pytest.raises(RewardError, match=r"^reward redness failed for every sample it scored in this rollout \(4 "
+                       r"samples\); last error: ValueError: redness needs 3 \(RGB\) channels, got shape \(1, 4, 4\)$"):
         scorer.finish(samples)
+
+
+@pytest.mark.exercises("--rm-type")
+def test_a_row_reward_failing_on_all_of_its_samples_stops_the_rollout_while_the_others_score():
+    warnings: list[str] = []
+    samples = make_samples(levels=(0.1, 0.5, 0.9, 0.3), metadata=[{"rm_type": "redness"}, {}, {"rm_type": "redness"}, {}])
+    for sample in samples[0::2]:
+        sample.pixels = torch.zeros(1, 4, 4)  # redness needs 3 channels
+    scorer = RewardScorer(resolve("--rm-type", "brightness"), warn=warnings.append)
+    rewards = score(scorer, samples)
+    assert rewards[1::2] == pytest.approx([0.5, 0.3]) and all(math.isnan(r) for r in rewards[0::2])
+    with pytest.raises(RewardError) as info:
+        scorer.finish(samples)
+    assert str(info.value) == ("reward redness failed for every sample it scored in this rollout (2 samples); last "
+                               "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)")
+    # One of its samples scored: no error, and each reward's failures are counted.
+    samples = make_samples(levels=(0.1, 0.5, 0.9, 0.3), metadata=[{"rm_type": "redness"}, {}, {"rm_type": "redness"}, {}])
+    samples[0].pixels = torch.zeros(1, 4, 4)
+    score(scorer, samples)
+    metrics = scorer.finish(samples)
+    assert (metrics["rollout/reward/failed"], metrics["rollout/reward/redness_failed"],
+            metrics["rollout/reward/brightness_failed"]) == (1, 1, 0)
 
 
 # -- evaluation rewards ---------------------------------------------------------------------
@@ -381,6 +497,67 @@ def test_a_short_run_evaluates_with_its_own_rewards(tiny_sd3, prompts, tmp_path)
     assert [s.reward for s in eval_samples] == pytest.approx(Redness()([s.pixels for s in eval_samples]))
     assert all(s.reward_components == {} for s in eval_samples)
     assert [s.reward for s in rollout] == pytest.approx(Brightness()([s.pixels for s in rollout]))
+
+
+@pytest.mark.exercises("--eval-rm-type", "--eval-reward-weights")
+def test_an_eval_reward_set_scores_every_eval_row_whatever_its_rm_type():
+    pixels = torch.tensor([[[1.0]], [[0.5]], [[0.0]]]).expand(3, 4, 4)  # brightness 0.5, redness 0.75
+
+    def scored(scorer):
+        samples = make_samples(levels=(0.5, 0.5), metadata=[{"rm_type": "redness"}, {}])
+        for sample in samples:
+            sample.pixels = pixels
+        return score(scorer, samples), samples
+
+    config = resolve("--rm-type", "colorfulness", "--eval-rm-type", "brightness")
+    assert scored(RewardScorer(config, evaluation=True))[0] == pytest.approx([0.5, 0.5])  # the row's redness ignored
+    training, _ = scored(RewardScorer(config))
+    assert training[0] == pytest.approx(0.75)  # training still follows the row
+    config = resolve("--rm-type", "colorfulness", "--eval-reward-weights", '{"brightness": 1, "redness": 2}')
+    rewards, samples = scored(RewardScorer(config, evaluation=True))
+    assert rewards == pytest.approx([2.0, 2.0])
+    assert samples[0].reward_components == {"brightness": pytest.approx(0.5), "redness": pytest.approx(0.75)}
+    # Without an eval reward set, evaluations score as training does: the row's reward.
+    assert scored(RewardScorer(resolve("--rm-type", "brightness"), evaluation=True))[0] == pytest.approx([0.75, 0.5])
+
+
+@pytest.mark.exercises("--eval-rm-type", "--eval-interval", "--skip-eval-before-train")
+def test_an_eval_reward_that_cannot_be_built_stops_the_run_before_its_first_rollout(register, tiny_sd3, prompts,
+                                                                                      tmp_path):
+    register("unbuildable", "Unbuildable")
+    reward_examples.LOGGED.update(rollout=[], eval=[])
+    args = tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2)
+    with pytest.raises(RewardError) as info:
+        run_metrics([*args, "--num-rollout", "1", "--debug-rollout-only", "--eval-interval", "1",
+                     "--eval-prompt-data", "shapes", str(prompts), "--skip-eval-before-train",
+                     "--eval-rm-type", "unbuildable", "--custom-rollout-log-function-path", f"{EXAMPLES}.log_rollout"])
+    assert str(info.value) == "reward unbuildable: cannot be built: OSError: no weights at /nowhere/model.safetensors"
+    assert reward_examples.LOGGED["rollout"] == []  # no rollout was generated first
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.exercises("--rm-type", "--eval-rm-type")
+def test_a_reward_with_pop_metrics_reports_them_after_each_rollout(register):
+    register("counting", "Counting")
+    config = resolve("--rm-type", "counting", "--eval-rm-type", "counting")
+    scorer = RewardScorer(config)
+    samples = make_samples()
+    score(scorer, samples[:2])
+    score(scorer, samples[2:])
+    metrics = scorer.finish(samples)
+    assert (metrics["rollout/reward/counting/calls"], metrics["rollout/reward/counting/outputs"]) == (2, 4)
+    score(scorer, samples[:3])
+    metrics = scorer.finish(samples[:3])
+    assert (metrics["rollout/reward/counting/calls"], metrics["rollout/reward/counting/outputs"]) == (1, 3)
+    # An evaluation reports its own counts under its prefix, from the instance it shares with training.
+    evaluation = RewardScorer(config, evaluation=True, share=scorer)
+    score(evaluation, samples[:2])
+    assert evaluation.finish(samples[:2], prefix="eval/shapes/reward/")["eval/shapes/reward/counting/outputs"] == 2
+    # In a mixture, only the rewards that have pop_metrics report.
+    metrics = RewardScorer(resolve("--reward-weights", '{"counting": 1, "brightness": 1}'))
+    score(metrics, samples)
+    assert {k for k in metrics.finish(samples) if "/counting/" in k or "/brightness/" in k} == {
+        "rollout/reward/counting/calls", "rollout/reward/counting/outputs"}
 
 
 # -- failed samples in a run, saved and replayed ----------------------------------------------

@@ -16,7 +16,7 @@ from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
 from miles_core.plugin_manager import get_host
 from miles_core.training.advantages import advantages_from_config, grpo_advantages, masked_grpo_advantages
-from miles_core.training.rewards import RewardScorer
+from miles_core.training.rewards import RewardError, RewardScorer
 
 BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "3"]
@@ -175,6 +175,7 @@ def test_a_failed_mixture_component_fails_its_sample_and_is_left_out_of_each_com
     assert len(warnings) == 2 and warnings[0].startswith("reward redness raised ValueError")
     metrics = scorer.finish(samples)
     assert metrics["rollout/reward/failed"] == 1
+    assert (metrics["rollout/reward/redness_failed"], metrics["rollout/reward/brightness_failed"]) == (1, 0)
     valid = [p for i, p in enumerate(pixels) if i != 1]
     assert metrics["rollout/reward/brightness_mean"] == pytest.approx(np.mean([brightness(p) for p in valid]))
     advantages = advantages_from_config(rewards, config, samples).tolist()
@@ -185,6 +186,20 @@ def test_a_failed_mixture_component_fails_its_sample_and_is_left_out_of_each_com
     expected += [x + y for x, y in zip(normalise(b[3:]), normalise(r[3:]))]
     assert advantages == pytest.approx(expected, rel=1e-3, abs=1e-5)
     assert advantages[1] == 0.0
+
+
+@pytest.mark.exercises("--reward-weights")
+def test_a_mixture_component_failing_for_every_sample_stops_the_rollout_naming_that_component():
+    pixels = [p[:1] for p in images(seed=5)]  # one channel: redness raises for every sample, brightness never
+    scorer = RewardScorer(resolve("--reward-weights", '{"brightness": 1, "redness": 0.5}'), warn=lambda line: None)
+    samples = make_samples(pixels)
+    asyncio.run(scorer.score(samples))
+    assert all(s.reward_failed for s in samples)
+    assert [s.reward_components for s in samples] == [{"brightness": pytest.approx(brightness(p))} for p in pixels]
+    with pytest.raises(RewardError) as info:
+        scorer.finish(samples)
+    assert str(info.value) == ("reward redness failed for every sample it scored in this rollout (6 samples); last "
+                               "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)")
 
 
 @pytest.mark.exercises("--reward-weights", "--reward-aggregation")

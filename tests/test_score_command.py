@@ -112,3 +112,10 @@ def test_an_animated_gif_is_scored_as_a_video(capsys, tmp_path):
     code, lines, _ = score(capsys, "--rm-type", "brightness", "--prompt", "p", gif)
     # brightness of a video: the mean over its frames (GIF palettes keep these flat colours exact)
     assert code == 0 and lines[0] == f"{gif}  {np.mean([np.mean(RED), np.mean(BLUE), np.mean(RED)]) / 255:.6f}"
+
+
+def test_a_reward_that_fails_on_every_image_is_a_warning_not_a_stop(capsys, images):
+    code, lines, err = score(capsys, "--custom-rm-path", "tests.reward_examples.always_fails", "--prompt", "p",
+                             images["red"])
+    assert code == 0 and lines == [f"{images['red']}  failed"]
+    assert err.splitlines()[-1].startswith("miles-core score: warning: reward ")

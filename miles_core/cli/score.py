@@ -135,8 +135,10 @@ def build_samples(items: Sequence[ScoreItem]) -> list[Any]:
     return samples
 
 
-async def score_samples(config: Any, samples: list[Any]) -> dict[str, float]:
-    from miles_core.training.rewards import RewardScorer
+async def score_samples(config: Any, samples: list[Any], warn: Any = None) -> dict[str, float]:
+    """Score like a rollout. A reward that failed on every image it scored stops a run;
+    here its images are shown as failed and ``warn`` gets the reason."""
+    from miles_core.training.rewards import RewardError, RewardScorer
 
     scorer = RewardScorer(config)
     if scorer.needs_whole_groups:
@@ -146,7 +148,12 @@ async def score_samples(config: Any, samples: list[Any]) -> dict[str, float]:
         await asyncio.gather(*(scorer.score(group) for group in by_group.values()))
     else:
         await scorer.score(samples)
-    return scorer.finish(samples)
+    try:
+        return scorer.finish(samples)
+    except RewardError as exc:
+        if warn is not None:
+            warn(str(exc))
+        return {}
 
 
 def report(samples: Sequence[Any], as_json: bool) -> list[str]:
@@ -198,7 +205,7 @@ def run(argv: Sequence[str], prog: str = "miles-core score") -> int:
     quiet_hub_libraries()
     try:
         samples = build_samples(items_from_config(config))
-        asyncio.run(score_samples(config, samples))
+        asyncio.run(score_samples(config, samples, warn=lambda line: print(f"{prog}: warning: {line}", file=sys.stderr)))
     except (ScoreError, RewardError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

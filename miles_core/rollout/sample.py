@@ -30,6 +30,10 @@ class Sample:
     reward_failed: bool = False
     """Its reward raised or returned no finite number: it is left out of the group
     statistics, gets advantage 0 and is masked in the loss (``remove_sample``)."""
+    reward_failures: dict[str, bool] = field(default_factory=dict)
+    """Each reward that scored it (by its metric name: a registered reward, or
+    ``custom_rm``) -> whether that reward failed for it; what ``<reward>_failed`` counts,
+    kept in rollout dumps so a replay reports the same."""
     remove_sample: bool = False
     """Set by a per-sample filter: kept for advantage normalisation, masked in the loss.
     Also set for a sample whose reward failed (which is *not* kept for normalisation)."""

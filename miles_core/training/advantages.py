@@ -12,6 +12,11 @@ called as in the reference (``RolloutManager._post_process_rewards``)::
 
     def post_process_rewards(args, samples) -> tuple[raw_rewards, advantages]
 
+A sample whose reward failed (below) reaches that function with ``sample.reward`` set to
+the mean reward of its group's valid samples (0 in a group with none), so a plain group
+mean/std function sees no NaN and the group's mean is unchanged; its advantage is then 0
+whatever the function returns, and its reward is NaN again after the call.
+
 Samples a per-sample filter marked ``remove_sample`` still count here: the filter masks
 their loss, not their place in the group statistics (``--rollout-sample-filter-path``).
 
@@ -235,6 +240,22 @@ def _check_values(values: Any, expected: int, what: str, prefix: str, skip: torc
     return tensor
 
 
+def _neutral_fills(flat: torch.Tensor, failed: torch.Tensor, n: int) -> dict[int, float]:
+    """``{position: value}`` for each failed sample: the mean reward of its group's valid
+    samples (groups of ``n`` consecutive samples), or 0.0 when the group has none."""
+    fills: dict[int, float] = {}
+    if not bool(failed.any()):
+        return fills
+    if n < 1 or flat.numel() % n:
+        raise ValueError(f"{flat.numel()} rewards do not split into groups of n_samples_per_prompt={n}")
+    for g in range(flat.numel() // n):
+        group = range(g * n, (g + 1) * n)
+        valid = [float(flat[i]) for i in group if not failed[i]]
+        mean = sum(valid) / len(valid) if valid else 0.0
+        fills.update({i: mean for i in group if failed[i]})
+    return fills
+
+
 def post_process_rewards(
     rewards: torch.Tensor | Sequence[float],
     config: Any,
@@ -248,8 +269,10 @@ def post_process_rewards(
     ``--reward-aggregation advantage``. With it, the named function is called as
     ``fn(config, samples)`` (the reference's signature) and must return
     ``(raw_rewards, advantages)``, each a tensor or list of ``N`` numbers, finite except
-    at failed samples (whose advantage is then set to 0); anything else is a one-line
-    ``ValueError`` naming the flag.
+    at failed samples; anything else is a one-line ``ValueError`` naming the flag. During
+    the call a failed sample's ``reward`` is its group's mean valid reward (0 when the
+    group has no valid sample; NaN again afterwards); its advantage is set to 0 and its
+    raw reward to NaN.
     """
     flat = _as_float_tensor(rewards)
     failed = _failed_mask(samples, flat.numel())
@@ -268,7 +291,18 @@ def post_process_rewards(
     if len(samples) != flat.numel():
         raise ValueError(f"{POST_PROCESS_FLAG} {path}: {len(samples)} samples for {flat.numel()} rewards")
     fn = resolve_path_flag(POST_PROCESS_FLAG, path, "callable")
-    result = fn(config, samples)
+    # Failed samples reach the function with their group's mean valid reward (0 in a group
+    # with none), so a plain group mean/std function neither sees NaN nor moves the mean;
+    # their advantages are forced to 0 below and their reward is NaN again after the call.
+    fills = _neutral_fills(flat, failed, config.n_samples_per_prompt)
+    originals = [(samples[i], samples[i].reward) for i in fills]
+    try:
+        for i, value in fills.items():
+            samples[i].reward = value
+        result = fn(config, samples)
+    finally:
+        for sample, reward in originals:
+            sample.reward = reward
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ValueError(
             f"{POST_PROCESS_FLAG} {path}: must return (raw_rewards, advantages), got {type(result).__name__}"
@@ -277,6 +311,7 @@ def post_process_rewards(
     raw = _check_values(result[0], flat.numel(), "raw_rewards", f"{POST_PROCESS_FLAG} {path}", failed)
     advantages = _check_values(result[1], flat.numel(), "advantages", f"{POST_PROCESS_FLAG} {path}", failed)
     advantages = torch.where(failed, torch.zeros_like(advantages), advantages)
+    raw = torch.where(failed, torch.full_like(raw, math.nan), raw)  # a failed sample has no reward
     # Hand back the dtype the built-in path would have produced, so callers see one type.
     return raw.to(flat.dtype), advantages.to(flat.dtype)
 

@@ -9,7 +9,7 @@ safetensors records, nothing pickled); a path template is formatted with the rol
 Rollout data: ``{"format": ROLLOUT_FORMAT, "version", "rollout_id", "samples": [...],
 "rewards": tensor [N], "outputs": bytes}`` where each sample record holds the prompt,
 metadata, group index, index in group, seed, SDE steps, reward (NaN when it failed),
-reward components, ``reward_failed`` and ``remove_sample`` (files written before
+reward components, ``reward_failed``, ``reward_failures`` (per reward) and ``remove_sample`` (files written before
 ``reward_failed`` existed read as not failed), and ``outputs`` is
 :func:`~miles_core.engine.wire.pack_outputs` of the samples'
 :class:`~miles_core.engine.request.RolloutOutput` records (a ``/rollout/generate``
@@ -76,6 +76,7 @@ def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample],
                 "reward": s.reward,
                 "reward_components": dict(s.reward_components),
                 "reward_failed": bool(getattr(s, "reward_failed", False)),
+                "reward_failures": dict(getattr(s, "reward_failures", None) or {}),
                 "remove_sample": s.remove_sample,
             }
             for s in samples
@@ -124,6 +125,7 @@ def load_rollout_data(
                 reward=record["reward"],
                 reward_components=dict(record["reward_components"]),
                 reward_failed=bool(record.get("reward_failed", False)),
+                reward_failures={str(k): bool(v) for k, v in (record.get("reward_failures") or {}).items()},
                 remove_sample=bool(record["remove_sample"]),
             )
             for record, output in zip(records, outputs)

@@ -10,8 +10,10 @@ eval set: it is called with ``evaluation=True`` and an :class:`EvalPrompts` sour
 its samples are scored and compared like the built-in ones.
 
 Evaluations are scored by their own :class:`~miles_core.training.rewards.RewardScorer`
-(``evaluation=True``): ``--eval-rm-type`` or ``--eval-reward-weights`` when set (a held-out
-reward watches for reward hacking), else the training reward, with ``--eval-reward-key``
+(``evaluation=True``, built with the :class:`Evaluator`, when the run starts):
+``--eval-rm-type`` or ``--eval-reward-weights`` when set (a held-out reward watches for
+reward hacking; it scores every sample, whatever a row's ``metadata.rm_type``), else the
+training reward, with ``--eval-reward-key``
 (default ``--reward-key``) picking the scalar of a dict reward. Each eval set reports
 ``eval/<name>/reward_mean`` and ``reward_std`` over its samples whose reward did not fail,
 ``eval/<name>/reward/<component>_mean`` per reward component, ``eval/<name>/reward/failed``
@@ -100,11 +102,17 @@ class Evaluator:
     def __init__(self, config: Any, engine: Any, scorer: Any = None) -> None:
         """``scorer``: an evaluation scorer (``RewardScorer(config, evaluation=True)``) to
         use, or the run's training scorer, whose built reward models the evaluation scorer
-        then shares; unset: the evaluation scorer is built on the first evaluation."""
+        then shares. The evaluation scorer is built here, when the run starts, so an eval
+        reward that cannot be built (missing weights) stops the run before its first
+        rollout, not at its first evaluation."""
+        from miles_core.training.rewards import RewardScorer
+
         self.config = config
         self.engine = engine
         self.training_scorer = None if getattr(scorer, "evaluation", True) else scorer
-        self._scorer = scorer if self.training_scorer is None else None
+        self.scorer = scorer if self.training_scorer is None else None
+        if self.scorer is None:
+            self.scorer = RewardScorer(config, evaluation=True, share=self.training_scorer)
         pairs = list(config.eval_prompt_data or [])
         key = config.eval_input_key or config.input_key
         self.datasets: dict[str, list[PromptRecord]] = {
@@ -113,15 +121,6 @@ class Evaluator:
         }
         self.first: EvalResult | None = None
         self.hook = eval_hook(config)  # None: the built-in evaluation
-
-    @property
-    def scorer(self) -> Any:
-        """The evaluation's reward scorer (built on first use)."""
-        if self._scorer is None:
-            from miles_core.training.rewards import RewardScorer
-
-            self._scorer = RewardScorer(self.config, evaluation=True, share=self.training_scorer)
-        return self._scorer
 
     def requests(self, records: list[PromptRecord]) -> list[RolloutRequest]:
         return eval_requests(self.config, records)

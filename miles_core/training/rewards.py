@@ -11,8 +11,9 @@ What scores a sample (first match):
 4. ``--rm-type NAME``: that registered reward.
 
 In evaluation (``RewardScorer(config, evaluation=True)``) ``--eval-rm-type`` or
-``--eval-reward-weights`` replace 3 and 4 when set, and ``--eval-reward-key`` (default
-``--reward-key``) picks the scalar of a dict reward.
+``--eval-reward-weights``, when set, score every sample (they replace 2, 3 and 4: rows'
+``rm_type`` is ignored, so the held-out reward is the one reported), and
+``--eval-reward-key`` (default ``--reward-key``) picks the scalar of a dict reward.
 
 A registered reward is built once per run as ``cls(config)`` (instances are cached, and
 shared between the training and the evaluation scorer) and called as
@@ -20,7 +21,12 @@ shared between the training and the evaluation scorer) and called as
 (``asyncio.to_thread``), so the event loop, and the generation on it, keeps going; calls
 to one reward instance are serialised by a lock, so a reward need not be thread-safe.
 Without ``--group-rm`` the samples are grouped by their reward and each reward gets one
-call for all of its samples; with it, one call per prompt group (``group_index``).
+call for all of its samples; and calls coalesce: samples that :meth:`RewardScorer.score`
+calls submit for a reward while a call of it runs (streaming: the microgroups returning
+meanwhile) wait, and its next call takes all of them, so a reward's own batch size
+(``--pickscore-batch-size``...) is reached. With ``--group-rm``, one call per prompt group
+(``group_index``). A ``--custom-rm-path`` function is called once per ``score`` call;
+its calls may overlap.
 
 Values, per sample: a number; or a dict, from which the reward key (``--reward-key``)
 picks the trained scalar and whose other numeric keys become the sample's
@@ -36,8 +42,15 @@ they are then scored one at a time, so one bad sample does not take the others w
 ``reward = nan``, ``reward_failed = True`` and ``remove_sample = True``: it is left out of
 its group's advantage statistics, gets advantage 0 and is masked in the loss
 (:func:`miles_core.training.advantages.advantages_from_config`). :meth:`RewardScorer.finish`
-counts them (``rollout/reward/failed``) and raises :class:`RewardError` naming the reward
-when every sample of a rollout failed.
+counts them (``rollout/reward/failed``, and ``rollout/reward/<reward>_failed`` for each
+reward that scored samples: a mixture's components, rows' ``rm_type`` rewards,
+``custom_rm``) and raises :class:`RewardError` naming the reward that failed for every
+sample it scored in the rollout, with its last error (and naming the reward set when every
+sample failed without one reward failing them all).
+
+A reward instance with a ``pop_metrics() -> dict[str, float]`` method reports its own
+counters: :meth:`RewardScorer.finish` calls it (after the rollout's calls) and logs each key
+as ``rollout/reward/<reward>/<key>`` (an evaluation: ``eval/<set>/reward/<reward>/<key>``).
 """
 
 from __future__ import annotations
@@ -99,6 +112,23 @@ class _Failure:
         self.reason = reason
 
 
+class _Queue:
+    """The samples waiting for the next call of one registered reward, on one event loop,
+    and the task making those calls (None when idle)."""
+
+    __slots__ = ("loop", "task", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.task: asyncio.Task | None = None
+        self.waiting: list[tuple[list[Any], asyncio.Future]] = []
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class RewardScorer:
     """Scores samples with the configuration's reward (see the module docstring).
 
@@ -134,6 +164,10 @@ class RewardScorer:
             self._rewards: dict[str, Any] = {}
             self._build_lock = threading.Lock()
             self._call_locks: dict[str, threading.Lock] = {}
+        self._queues: dict[str, _Queue] = {}  # per registered reward: the samples waiting for its next call
+        self._outcomes: dict[int, dict[str, str | None]] = {}
+        """Per scored sample (by id) until :meth:`finish`: each reward that scored it and
+        why it failed (None: it did not)."""
         get = lambda dest: getattr(config, dest, None)  # noqa: E731
         self.key: str | None = (get("eval_reward_key") or get("reward_key")) if evaluation else get("reward_key")
         self.key_flag = "--eval-reward-key" if evaluation and get("eval_reward_key") else "--reward-key"
@@ -141,6 +175,9 @@ class RewardScorer:
         self.weights: dict[str, float] | None = None
         self.default: str | None = None  # the single registered reward, when that is the default
         eval_rm, eval_weights = (get("eval_rm_type"), get("eval_reward_weights")) if evaluation else (None, None)
+        self.fixed = bool(eval_rm or eval_weights)
+        """An evaluation reward set (``--eval-rm-type`` / ``--eval-reward-weights``) scores
+        every sample: rows' ``metadata.rm_type`` are ignored."""
         if eval_rm or eval_weights:
             self.default, self.weights = eval_rm, self._weights(eval_weights, "--eval-reward-weights")
         elif get("custom_rm_path"):
@@ -219,6 +256,47 @@ class RewardScorer:
             raise RewardError(f"{label} returned {len(values)} values for {len(samples)} samples")
         return list(values)
 
+    async def _coalesced(self, name: str, samples: list[Any]) -> list[tuple[float, dict] | _Failure]:
+        """Registered reward ``name``'s parsed values for ``samples``, through its queue:
+        while a call of the reward runs, samples submitted meanwhile wait, and the next call
+        takes all of them (each submitter gets its own samples' results)."""
+        loop = asyncio.get_running_loop()
+        queue = self._queues.get(name)
+        if queue is None or queue.loop is not loop:
+            queue = self._queues[name] = _Queue(loop)
+        future = loop.create_future()
+        queue.waiting.append((samples, future))
+        if queue.task is None:
+            queue.task = loop.create_task(self._drain(name, queue))
+        return await future
+
+    async def _drain(self, name: str, queue: _Queue) -> None:
+        """Call reward ``name`` on everything waiting in ``queue`` until nothing is."""
+        batch: list[tuple[list[Any], asyncio.Future]] = []
+        try:
+            while queue.waiting:
+                batch, queue.waiting = [(s, f) for s, f in queue.waiting if not f.done()], []
+                if not batch:
+                    continue
+                try:
+                    results = await self._values(name, [x for part, _ in batch for x in part], retry=True)
+                except Exception as exc:  # not per sample (RewardError): every submitter gets it
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                start = 0
+                for part, future in batch:
+                    if not future.done():
+                        future.set_result(results[start:start + len(part)])
+                    start += len(part)
+                batch = []
+        finally:
+            queue.task = None
+            for _, future in batch + queue.waiting:  # cancelled (the loop is closing)
+                future.cancel()
+            queue.waiting = []
+
     def _parse(self, name: str, values: list[Any]) -> list[tuple[float, dict[str, float]] | _Failure]:
         """Per sample ``(scalar, other numeric keys)`` or a :class:`_Failure`."""
         label = self.name if name == CUSTOM else f"reward {name}"
@@ -295,6 +373,8 @@ class RewardScorer:
         or None for the default (the mixture or ``--rm-type`` reward)."""
         if self.custom is not None:
             return CUSTOM
+        if self.fixed:
+            return None
         metadata = getattr(sample, "metadata", None)
         override = metadata.get("rm_type") if isinstance(metadata, Mapping) else None
         return override.strip() if isinstance(override, str) and override.strip() else None
@@ -312,9 +392,19 @@ class RewardScorer:
             if reward_set not in (None, CUSTOM) and reward_set not in self._rewards:
                 await asyncio.to_thread(self._reward, name, sample=samples[0])  # unknown name: RewardError
             names = [name]
-        results = await asyncio.gather(*(self._values(name, samples, retry=retry) for name in names))
+        if self.needs_whole_groups or names == [CUSTOM]:
+            # A group reward sees one group per call; a custom reward's calls run concurrently.
+            results = await asyncio.gather(*(self._values(name, samples, retry=retry) for name in names))
+        else:
+            results = await asyncio.gather(*(self._coalesced(name, samples) for name in names))
         for i, sample in enumerate(samples):
             values = [result[i] for result in results]
+            self._outcomes[id(sample)] = {
+                name: (value.reason if isinstance(value, _Failure) else None) for name, value in zip(names, values)
+            }
+            sample.reward_failures = {
+                self.metric_name(name): isinstance(value, _Failure) for name, value in zip(names, values)
+            }
             components: dict[str, float] = {}
             if self.weights is not None and reward_set is None:
                 for name, value in zip(names, values):
@@ -346,19 +436,64 @@ class RewardScorer:
         await asyncio.gather(*(self._score_part(key[0], part) for key, part in parts.items()))
         return torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
 
+    def metric_name(self, reward: str) -> str:
+        """The name of reward ``reward`` (a registered name, or :data:`CUSTOM`) in metric keys."""
+        return "custom_rm" if reward == CUSTOM else reward
+
+    def _pop_metrics(self, rewards: Sequence[str], prefix: str) -> dict[str, float]:
+        """``<prefix><reward>/<key>`` for what each reward's ``pop_metrics()`` (if it has
+        one) counted since it was last asked."""
+        metrics: dict[str, float] = {}
+        for name in rewards:
+            pop = getattr(self._rewards.get(name), "pop_metrics", None)
+            if not callable(pop):
+                continue
+            with self._call_locks[name]:
+                values = pop()
+            if not isinstance(values, Mapping):
+                self.warn(f"reward {name}: pop_metrics() returned {type(values).__name__}, expected a dict of numbers")
+                continue
+            for key, value in values.items():
+                number = _number(value)
+                if number is None:
+                    self.warn(f"reward {name}: pop_metrics() value {key!r} is {value!r}, not a number; not logged")
+                    continue
+                metrics[f"{prefix}{name}/{key}"] = number
+        return metrics
+
     def finish(self, samples: Sequence[Sample], *, prefix: str = "rollout/reward/") -> dict[str, float]:
         """After all of a rollout's samples are scored: the reward metrics
-        (:func:`reward_metrics`); :class:`RewardError` naming the reward when every
-        sample failed."""
+        (:func:`reward_metrics`, plus ``<reward>_failed`` for each reward that scored
+        any of ``samples`` and each reward's own ``pop_metrics()`` as
+        ``<reward>/<key>``); :class:`RewardError` naming the reward(s) that failed for
+        every sample they scored (or, failing that, when every sample failed)."""
+        tally: dict[str, list[Any]] = {}  # reward -> [samples scored, failed, last error]
+        for sample in samples:
+            for name, error in (self._outcomes.pop(id(sample), None) or {}).items():
+                counts = tally.setdefault(name, [0, 0, None])
+                counts[0] += 1
+                if error is not None:
+                    counts[1] += 1
+                    counts[2] = error
+        own = self._pop_metrics([n for n in tally if n != CUSTOM], prefix)
+        what = "evaluation" if self.evaluation else "rollout"
+        dead = [(name, scored, error) for name, (scored, failed, error) in tally.items() if scored and failed == scored]
+        if dead:
+            raise RewardError("; ".join(
+                f"reward {self.label(None) if name == CUSTOM else name} failed for every sample it scored in this "
+                f"{what} ({scored} sample{'s' if scored != 1 else ''}); last error: {_one_line(error)}"
+                for name, scored, error in dead
+            ))
         failed = [s for s in samples if getattr(s, "reward_failed", False)]
         if samples and len(failed) == len(samples):
-            names = ", ".join(sorted({self.label(self.reward_set(s)) for s in failed}))
-            what = "evaluation" if self.evaluation else "rollout"
+            counts = ", ".join(f"{self.label(None) if n == CUSTOM else n} {c[1]} of {c[0]}" for n, c in tally.items() if c[1])
             raise RewardError(
-                f"reward {names} failed for every sample of the {what} ({len(samples)} samples); "
-                "see the warnings above for why"
+                f"reward {self.name} failed for every sample of the {what} ({len(samples)} samples"
+                + (f"; failures per reward: {counts}" if counts else "") + "); see the warnings above for why"
             )
-        return reward_metrics(samples, prefix=prefix)
+        metrics = reward_metrics(samples, prefix=prefix)
+        metrics.update(own)
+        return metrics
 
 
 def reward_metrics(samples: Sequence[Any], *, prefix: str = "rollout/reward/") -> dict[str, float]:
@@ -378,6 +513,11 @@ def reward_metrics(samples: Sequence[Any], *, prefix: str = "rollout/reward/") -
             f"{prefix}raw_max": float(rewards.max()),
         })
     metrics[f"{prefix}failed"] = len(samples) - len(valid)
+    per_reward: dict[str, int] = {}
+    for sample in samples:
+        for name, failed in (getattr(sample, "reward_failures", None) or {}).items():
+            per_reward[name] = per_reward.get(name, 0) + int(failed)
+    metrics.update({f"{prefix}{name}_failed": count for name, count in per_reward.items()})
     names = list(dict.fromkeys(k for s in valid for k in (getattr(s, "reward_components", None) or {})))
     for name in names:
         values = [s.reward_components[name] for s in valid if name in s.reward_components]

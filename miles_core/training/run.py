@@ -323,6 +323,7 @@ async def _rl_rollouts(
     log_rollout = custom_log_function(config)
     log_eval = custom_log_function(config, evaluation=True)
     engine_weights = nullcontext if remote else policy_weights  # the embedded engine samples the trainer's modules
+    # Builds the evaluation reward now: one that cannot be built stops the run before its first rollout.
     evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
     samples_dir = out / "samples"
     pending_eval: dict[str, Any] = {}

@@ -28,7 +28,16 @@ def test_flat_image_compresses_better_than_noise():
     incomp = JpegIncompressibility()([flat, noise])
     assert comp[0] > comp[1]
     assert incomp[0] < incomp[1]
-    assert comp == [-v for v in incomp]
+    assert comp == [-v / 500 for v in incomp]
+
+
+def test_compressibility_is_flow_grpos_minus_size_over_500():
+    image = _noise_image(4)
+    size_kb = _pil_size_kb((image * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
+    # flow_grpo: jpeg_incompressibility = size_kB; jpeg_compressibility = -size_kB / 500.
+    assert JpegIncompressibility()([image]) == [size_kb]
+    assert JpegCompressibility()([image]) == [-size_kb / 500]
+    assert size_kb > 1  # a non-trivial size, so an unscaled -size_kB would differ
 
 
 def test_size_matches_pillow_at_quality_95():
@@ -53,6 +62,18 @@ def test_video_scores_the_mean_over_frames():
     per_frame = [jpeg_size_kb(f) for f in to_uint8_frames(video)]
     assert len(per_frame) == 2
     assert JpegIncompressibility()([video]) == [pytest.approx(sum(per_frame) / 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_scores_as_float32_of_the_same_values(dtype):
+    video = torch.stack([_noise_image(5), _noise_image(6), torch.full((3, 64, 64), 0.3)], dim=1)
+    half = video.to(dtype)
+    as_float32 = half.float()  # the same (rounded) values
+    assert [f.tolist() for f in to_uint8_frames(half)] == [f.tolist() for f in to_uint8_frames(as_float32)]
+    for reward in (JpegCompressibility(), JpegIncompressibility()):
+        assert reward([half, half[:, 0]]) == reward([as_float32, as_float32[:, 0]])
+    # Control: rounding to half precision moves some pixels, so the check compares like with like.
+    assert to_uint8_frames(video)[0].tolist() != to_uint8_frames(half)[0].tolist()
 
 
 def test_float_conversion_rounds_and_clamps():

@@ -171,6 +171,15 @@ def test_video_reads_every_fourth_frame_and_averages_frames_above_zero():
     assert reward([torch.stack([BLANK] * 5, dim=1)], [target]) == [0.0]
 
 
+def test_video_frames_are_scored_with_the_image_rule_substring_included():
+    # Documented difference from the reference's video_ocr, which scores each frame with
+    # the capped distance alone: there this frame would score 1 - min(4, 10) / 10 = 0.6.
+    reward = OcrReward(config(), backend=lambda frame: "xx Hello Worldyy")
+    video = torch.stack([BLANK] * 5, dim=1)
+    assert reward([video, BLANK], ['"Hello World"'] * 2) == [1.0, 1.0]
+    assert 1 - min(levenshtein("xxhelloworldyy", "helloworld"), 10) / 10 == pytest.approx(0.6)
+
+
 def test_prompt_without_quoted_text_gets_nan_and_one_warning(caplog):
     reward = OcrReward(config())
     with caplog.at_level(logging.WARNING, logger="miles_rewards.ocr"):
@@ -217,6 +226,60 @@ def test_failures_beyond_the_first_ten_are_not_logged(caplog):
         assert reward([BLANK] * 12, ['"x"'] * 12) == [0.0] * 12
     assert reward.failures == 12
     assert len(caplog.records) == 10 and "further failures are not logged" in caplog.records[-1].getMessage()
+    assert reward.pop_metrics() == {"recognizer_failures": 12.0}  # counted past the logging cap
+
+
+def test_failures_are_counted_for_the_rollout_metric_and_each_pop_resets_the_count():
+    def fails_on_black(frame):
+        if frame.max() == 0:
+            raise RuntimeError("unreadable")
+        return "abc"
+
+    black, white = torch.zeros(3, 8, 8), torch.ones(3, 8, 8)
+    reward = OcrReward(config(), backend=fails_on_black)
+    assert reward.pop_metrics() == {"recognizer_failures": 0.0}  # reported even when nothing failed
+    # Two failing images, and a video whose read frames 0, 4, 8 include two black ones
+    # (the black frames 1-3 are never read, so they are not failures).
+    video = torch.stack([black, black, black, black, white, white, white, white, black], dim=1)
+    assert reward([black, white, black, video], ['"abc"'] * 4) == [0.0, 1.0, 0.0, 1.0]
+    assert reward.pop_metrics() == {"recognizer_failures": 4.0}
+    assert reward.pop_metrics() == {"recognizer_failures": 0.0}  # reset by the pop
+    reward([black, white], ['"abc"'] * 2)
+    reward([black], ['"abc"'])
+    assert reward.pop_metrics() == {"recognizer_failures": 2.0}  # every call since the last pop
+    assert reward.failures == 6  # the lifetime count (for the logging cap) is not reset
+
+
+@pytest.mark.exercises("--ocr-num-workers")
+def test_failure_count_is_exact_with_worker_threads_and_concurrent_pops():
+    def fails_on_odd(frame):
+        if frame[0, 0, 0] % 2:
+            raise RuntimeError("unreadable")
+        return "abc"
+
+    images = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(256)] * 2
+    failing = 256  # the odd pixel values, twice
+    reward = OcrReward(config(ocr_num_workers=8), backend=fails_on_odd)
+    popped, nonzero_pops, done = [0.0], [0], threading.Event()
+
+    def pop_while_scoring():
+        while not done.is_set():
+            count = reward.pop_metrics()["recognizer_failures"]
+            popped[0] += count
+            nonzero_pops[0] += count > 0
+            time.sleep(0.0002)
+
+    popper = threading.Thread(target=pop_while_scoring)
+    popper.start()
+    try:
+        for _ in range(3):
+            reward(images, ['"abc"'] * len(images))
+    finally:
+        done.set()
+        popper.join()
+    assert nonzero_pops[0] >= 1  # some pops did land while the workers were failing
+    assert popped[0] + reward.pop_metrics()["recognizer_failures"] == 3 * failing == reward.failures
+    reward.close()
 
 
 # --- --ocr-num-workers ---------------------------------------------------------------

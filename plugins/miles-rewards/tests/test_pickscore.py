@@ -76,6 +76,17 @@ def test_floats_are_converted_to_uint8_as_the_reference_does(clip_dir):
     assert d == pytest.approx(e, rel=1e-6)  # batched forwards may differ in the last bits
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_outputs_score_as_float32_of_the_same_values(clip_dir, dtype):
+    # Engines running in bfloat16 return bfloat16 images; numpy has no bfloat16.
+    reward = pickscore(clip_dir)
+    half = [random_image(seed).to(dtype) for seed in (20, 21)]
+    video = torch.stack([random_image(22), random_image(23)], dim=1).to(dtype)
+    scores = reward([*half, video], PROMPTS)
+    assert scores == reward([*(image.float() for image in half), video.float()], PROMPTS)
+    assert all(isinstance(s, float) and s == s for s in scores)
+
+
 @pytest.mark.exercises("--pickscore-batch-size")
 def test_batch_size_sets_the_frames_per_forward_not_the_scores(clip_dir):
     images = [random_image(seed) for seed in range(5)]

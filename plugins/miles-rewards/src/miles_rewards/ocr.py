@@ -1,6 +1,7 @@
 """OCR reward: does the image show the text the prompt asks for?
 
-The Flow-GRPO definition, so that results are comparable:
+The Flow-GRPO definition (its image ``ocr`` reward, with the frame sampling of its
+``video_ocr`` reward for videos), so that results are comparable:
 
 - target text: the text between the first pair of double quotes in the prompt
   (``A sign that says "Open 24h"`` -> ``Open 24h``);
@@ -9,9 +10,13 @@ The Flow-GRPO definition, so that results are comparable:
 - both lower-cased with the spaces removed;
 - reward 1 if the target is a substring of the recognised text, otherwise
   ``1 - min(levenshtein(recognised, target), len(target)) / len(target)``, in ``[0, 1]``;
-- a recogniser failure scores 0 with a warning;
+- a recogniser failure scores 0 with a warning (the first 10 per reward instance are
+  logged; all are counted, see :meth:`OcrReward.pop_metrics`);
 - a video scores every 4th frame (0, 4, 8, ...); its reward is the mean over the frames
-  with a reward above 0, or 0 when there is none.
+  with a reward above 0, or 0 when there is none. Each frame is scored with the rule
+  above, substring shortcut included; the reference's ``video_ocr`` scores its frames
+  with the capped distance alone, so a frame whose reading holds the target among other
+  characters scores 1 here and less there.
 
 A prompt with no quoted text (or an empty one, ``""``) has nothing to read: that sample
 gets NaN with a warning (logged once per reward), which the core reports as a failed,
@@ -214,13 +219,6 @@ BACKEND_CLASSES: dict[str, Callable[[], Callable[[np.ndarray], str]]] = {
 # The reward
 
 
-def _float32(output: Any) -> Any:
-    """A half-precision tensor (bfloat16 has no numpy type) as float32; anything else as is."""
-    if hasattr(output, "detach") and str(output.dtype) in ("torch.bfloat16", "torch.float16"):
-        return output.detach().float()
-    return output
-
-
 class OcrReward:
     """Built as ``OcrReward(config)`` (reads ``ocr_backend`` and ``ocr_num_workers``),
     called as ``reward(outputs, prompts, metadata) -> list[float]``."""
@@ -241,7 +239,8 @@ class OcrReward:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._backend_taken = False
-        self.failures = 0
+        self.failures = 0  # recogniser failures since the reward was built (the first 10 are logged)
+        self._unreported_failures = 0  # ... since the last pop_metrics()
         self._warned_no_target = False
 
     def _recogniser(self) -> Callable[[np.ndarray], str]:
@@ -264,6 +263,7 @@ class OcrReward:
         except Exception as exc:
             with self._lock:
                 self.failures += 1
+                self._unreported_failures += 1
                 count = self.failures
             if count <= MAX_LOGGED_FAILURES:
                 more = "; further failures are not logged" if count == MAX_LOGGED_FAILURES else ""
@@ -304,7 +304,7 @@ class OcrReward:
                         f"gets NaN (a failed sample). Further such prompts are not logged"
                     )
                 continue
-            for frame in to_uint8_frames(_float32(output))[::FRAME_INTERVAL]:
+            for frame in to_uint8_frames(output)[::FRAME_INTERVAL]:
                 frames.append(frame)
                 targets.append(target)
                 owner.append(index)
@@ -315,6 +315,15 @@ class OcrReward:
         for index, values in grouped.items():
             rewards[index] = video_reward(values)
         return rewards
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``{"recognizer_failures": n}``: the frames (images, read video frames) whose
+        recognition failed since the previous call, which resets the count. The core's
+        scorer calls it once per rollout and reports ``rollout/reward/ocr/recognizer_failures``.
+        Safe to call while worker threads are scoring: a failure is counted in exactly one pop."""
+        with self._lock:
+            count, self._unreported_failures = self._unreported_failures, 0
+        return {"recognizer_failures": float(count)}
 
     def close(self) -> None:
         if self._pool is not None:

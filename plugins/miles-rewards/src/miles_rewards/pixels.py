@@ -13,8 +13,15 @@ def to_uint8_frames(output: Any) -> list[np.ndarray]:
     ``output`` is an image ``[C, H, W]`` or a video ``[C, F, H, W]``: a float tensor or
     array in ``[0, 1]`` (what the engine returns) or already ``uint8``. Floats are
     scaled as the Flow-GRPO rewards do: ``round(x * 255)`` clamped to ``[0, 255]``.
+    Half-precision tensors (``bfloat16``, which numpy has no type for, and ``float16``)
+    are converted to ``float32`` first, exactly: the frames are those of the same values
+    in ``float32``.
     """
-    array = np.asarray(output.detach().cpu() if hasattr(output, "detach") else output)
+    if hasattr(output, "detach"):
+        output = output.detach().cpu()
+        if output.is_floating_point() and output.element_size() < 4:
+            output = output.float()
+    array = np.asarray(output)
     if array.ndim not in (3, 4):
         raise ValueError(f"expected an image [C,H,W] or a video [C,F,H,W], got shape {array.shape}")
     if array.shape[0] not in (1, 3):

@@ -15,7 +15,7 @@ def miles_register_rewards() -> list[RewardSpec]:
         RewardSpec(
             name="jpeg_compressibility",
             ref="miles_rewards.jpeg:JpegCompressibility",
-            description="-(JPEG size in kB at quality 95): rewards images that compress well",
+            description="-(JPEG size in kB at quality 95) / 500, as flow_grpo: rewards images that compress well",
         ),
         RewardSpec(
             name="jpeg_incompressibility",
