@@ -18,7 +18,7 @@ import importlib
 import json
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -164,6 +164,12 @@ class ModelFamily(abc.ABC):
         """The velocity for every stream, guidance included. ``timestep`` is ``[B]`` on
         the transformer's scale; rows are independent (the trainer mixes steps)."""
 
+    def trainable_parameters(self, component: str) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The ``(name, parameter)`` pairs of ``component`` (a key of :meth:`components`)
+        that full fine-tuning (no LoRA) trains; the rest of the component stays frozen.
+        Default: all of them (Cosmos 3 keeps its understanding tower out)."""
+        return self.components()[component].named_parameters()
+
     def denoiser_for(self, timestep: torch.Tensor | float, params: GenerationParams) -> str:
         """The name (a key of :meth:`components`) of the trainable component that
         predicts at ``timestep`` (one timestep, on the transformer's scale).
@@ -193,9 +199,22 @@ class ModelFamily(abc.ABC):
         pipeline_cls = type(self.pipeline)
         if not hasattr(pipeline_cls, "save_lora_weights"):
             raise NotImplementedError(f"{pipeline_cls.__name__} has no diffusers LoRA format (save_lora_weights)")
-        layers = {f"{name}_lora_layers": get_peft_model_state_dict(module) for name, module in modules.items()}
+        layers: dict[str, Any] = {}
+        for name, module in modules.items():
+            layers[f"{name}_lora_layers"] = get_peft_model_state_dict(module)
+            # The adapter's config (rank, alpha, targets) travels as metadata; without it
+            # diffusers loads the LoRA with alpha = rank, i.e. at the wrong strength.
+            config = getattr(module, "peft_config", {}).get("default")
+            if config is not None:
+                layers[f"{name}_lora_adapter_metadata"] = config.to_dict()
         pipeline_cls.save_lora_weights(str(directory), **layers)
         return Path(directory)
+
+    def load_lora(self, directory: str | Path) -> Any:
+        """Load a LoRA that :meth:`save_lora` wrote into the pipeline (``generate --lora``):
+        ``pipeline.load_lora_weights(directory)``. Families whose pipeline has no LoRA
+        loader override it (Cosmos 3 loads through its transformer's adapter API)."""
+        return self.pipeline.load_lora_weights(str(directory))
 
     def extra_outputs(self, latents: Latents, params: GenerationParams) -> dict[str, torch.Tensor]:
         """Further decoded outputs per sample, batch first (LTX-2's audio); none by default."""
@@ -231,6 +250,16 @@ class ModelFamily(abc.ABC):
         diffusers resolves it, or ``None`` when it cannot be told without loading the
         model (for example a hub id). Reads only JSON files."""
         return None
+
+
+def per_output_noise(shape: Sequence[int], generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """``[len(generators), *shape[1:]]`` fp32 noise: one ``torch.randn(shape)`` draw per
+    output from that output's own CPU generator (``shape`` has a leading 1), so an
+    output's noise depends only on its seed, never on its batch or the device. What the
+    diffusers pipelines' ``randn_tensor`` with a list of generators draws, row by row."""
+    import torch
+
+    return torch.cat([torch.randn(tuple(shape), generator=g, dtype=torch.float32) for g in generators])
 
 
 def read_component_config(checkpoint: str | Path, component: str) -> dict[str, Any] | None:

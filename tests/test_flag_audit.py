@@ -260,3 +260,15 @@ def test_debug_and_logging_settings_without_their_feature(tmp_path):
     with pytest.raises(ConfigError) as caught:
         resolve_config([*BASE, "--save", str(tmp_path), "--save-interval", "0"])
     assert caught.value.messages == ["--save-interval 0: must be at least 1"]
+
+
+@pytest.mark.exercises("--diffusion-guidance-scale")
+def test_a_family_without_cfg_training_refuses_guided_rollouts():
+    ltx = ["--hf-checkpoint", "Lightricks/LTX-2", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+           "--diffusion-num-sde-steps", "2"]
+    assert training_errors(resolve_config([*ltx, "--diffusion-guidance-scale", "3"])) == [
+        "--diffusion-guidance-scale 3.0: the ltx family does not train with classifier-free guidance (as in the "
+        "reference), so rollouts must sample without it; use --diffusion-guidance-scale 1 (its recipe does)"
+    ]
+    assert training_errors(resolve_config([*ltx, "--diffusion-guidance-scale", "1"])) == []
+    assert training_errors(resolve_config(BASE)) == []  # sd3 trains with CFG

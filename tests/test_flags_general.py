@@ -93,6 +93,9 @@ class _OneLayerFamily:
     def components(self):
         return {"transformer": self.transformer}
 
+    def trainable_parameters(self, component):
+        return self.components()[component].named_parameters()
+
 
 def _trainer(*flags):
     from miles_core.plugin_manager import get_host

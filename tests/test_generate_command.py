@@ -174,7 +174,26 @@ def test_a_txt_prompt_file(tiny: Path, tmp_path: Path) -> None:
     assert [(r["prompt"], r["file"]) for r in manifest(out)] == [("a red cube", "p000_s7.png"), ("a blue sphere", "p001_s7.png")]
 
 
-def test_video_outputs_are_animated_gifs(tmp_path: Path) -> None:
+def test_video_outputs_are_mp4(tmp_path: Path) -> None:
+    import imageio.v3 as iio
+
+    assert generate.mp4_encoder() is not None, "imageio with imageio-ffmpeg (the video extra) is not installed"
+    video = torch.rand(3, 5, 16, 24)
+    name = generate._write(tmp_path, 2, 11, video, fps=10)
+    assert name == "p002_s11.mp4"
+    frames = iio.imread(tmp_path / name, plugin="FFMPEG", index=None)
+    assert frames.shape == (5, 16, 24, 3) and frames.dtype == np.uint8
+    assert iio.immeta(tmp_path / name, plugin="FFMPEG")["fps"] == 10.0
+    with pytest.raises(generate.GenerateError, match="exists"):
+        generate._write(tmp_path, 2, 11, video, fps=10)
+    # A flat grey video comes back grey (H.264 is lossy, not arbitrary).
+    grey = generate._write(tmp_path, 0, 0, torch.full((3, 2, 16, 16), 0.5), fps=None)
+    assert np.abs(iio.imread(tmp_path / grey, plugin="FFMPEG", index=None).astype(int) - 128).max() <= 2
+
+
+def test_video_outputs_fall_back_to_animated_gifs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # the encoder is not installed
+    assert generate.mp4_encoder() is None
     video = torch.rand(3, 5, 8, 8)
     name = generate._write(tmp_path, 2, 11, video, fps=10)
     assert name == "p002_s11.gif"
@@ -182,3 +201,68 @@ def test_video_outputs_are_animated_gifs(tmp_path: Path) -> None:
         assert gif.n_frames == 5 and gif.size == (8, 8) and gif.info["duration"] == 100
     with pytest.raises(generate.GenerateError, match="exists"):
         generate._write(tmp_path, 2, 11, video, fps=10)
+
+
+def as_video(monkeypatch: pytest.MonkeyPatch, frames: int = 3) -> None:
+    """Make the engine return videos: each SD3 image as ``frames`` frames, darker each frame
+    (identical frames would merge in a GIF)."""
+    from miles_core.engine.embedded import EmbeddedEngine
+
+    original = EmbeddedEngine.generate_sync
+
+    def generate_sync(self, request):
+        outputs = original(self, request)
+        for output in outputs:
+            fade = torch.linspace(1.0, 0.5, frames).reshape(1, frames, 1, 1)
+            output.generated_output = output.generated_output.unsqueeze(1) * fade
+        return outputs
+
+    monkeypatch.setattr(EmbeddedEngine, "generate_sync", generate_sync)
+
+
+def test_a_video_run_writes_mp4s_in_the_manifest(tiny: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    import imageio.v3 as iio
+
+    as_video(monkeypatch)
+    out = tmp_path / "out"
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
+                         "--fps", "8", "--out", str(out)]) == 0
+    assert [r["file"] for r in manifest(out)] == ["p000_s7.mp4", "p000_s8.mp4"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.jsonl", "p000_s7.mp4", "p000_s8.mp4"]
+    assert iio.imread(out / "p000_s7.mp4", plugin="FFMPEG", index=None).shape == (3, 32, 32, 3)
+    assert "note" not in capsys.readouterr().err
+    # The MP4 counts as an existing output: a second run refuses to overwrite it.
+    with pytest.raises(SystemExit):
+        generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--out", str(out)])
+    assert "p000_s7.mp4 exists" in capsys.readouterr().err
+
+
+def test_a_video_run_without_an_encoder_writes_gifs_with_a_note(tiny: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    as_video(monkeypatch)
+    monkeypatch.setitem(sys.modules, "imageio", None)
+    out = tmp_path / "out"
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
+                         "--out", str(out)]) == 0
+    assert [r["file"] for r in manifest(out)] == ["p000_s7.gif", "p000_s8.gif"]
+    with Image.open(out / "p000_s7.gif") as gif:
+        assert gif.n_frames == 3 and gif.size == (32, 32)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert notes == [f"miles-core generate: note: {generate.GIF_NOTE}"]
+    assert "pip install -c constraints.txt -e '.[video]'" in notes[0]
+
+
+def test_flow_shift_and_the_family_guidance_options(tiny: Path, one_prompt: Path, tmp_path: Path, capsys) -> None:
+    # --flow-shift reaches the schedule: other pixels than the checkpoint's own shift (3).
+    out = tmp_path / "shifted"
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
+                         "--flow-shift", "1.0", "--out", str(out)]) == 0
+    assert not np.array_equal(pixels(out / "p000_s7.png"), pixels(one_prompt / "p000_s7.png"))
+    same = tmp_path / "same"
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
+                         "--flow-shift", "3.0", "--out", str(same)]) == 0
+    assert np.array_equal(pixels(same / "p000_s7.png"), pixels(one_prompt / "p000_s7.png"))  # control
+    capsys.readouterr()
+    # Options a family does not have are refused by it, naming the flag.
+    err = run_error(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "p", "--true-cfg-scale", "4",
+                     "--out", str(tmp_path / "x")], capsys)
+    assert err.startswith("miles-core generate: error: --true-cfg-scale SD3 has no true CFG")

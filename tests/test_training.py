@@ -137,6 +137,12 @@ def test_saved_lora_loads_into_plain_diffusers_and_changes_the_output(tiny_sd3, 
     base, tuned = image(False), image(True)
     assert (base - tuned).abs().max() > 1e-4
     assert torch.equal(base, image(False))  # control: the same call without the LoRA is the base
+    # At the trained strength: the adapter's rank and alpha (default 64) travel with it, so
+    # diffusers scales by alpha / rank = 16, not by 1 (what a LoRA without metadata gets).
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3))
+    pipe.load_lora_weights(str(tmp_path / "lora-run" / "lora"))
+    (config,) = pipe.transformer.peft_config.values()
+    assert (config.r, config.lora_alpha) == (4, 64)
 
 
 def _write_sft_data(root):

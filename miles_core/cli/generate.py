@@ -2,9 +2,11 @@
 the same embedded engine that serves rollouts, in evaluation mode (``rollout: false``).
 
 Prompt *p* with ``--num-outputs N`` and ``--seed S`` gives outputs seeded ``S .. S+N-1``
-(as a rollout request does), written to ``--out DIR`` as ``DIR/p{p:03d}_s{seed}.png``;
-video outputs are written as animated GIFs (``.gif``, every frame, at ``--fps``; MP4
-comes later). Each file gets a line in ``DIR/manifest.jsonl`` (``prompt_index``,
+(as a rollout request does), written to ``--out DIR`` as ``DIR/p{p:03d}_s{seed}.png``.
+Video outputs are written as MP4 (``.mp4``, H.264, every frame, at ``--fps``) through
+imageio with imageio-ffmpeg, which ships its own ffmpeg (the ``video`` extra: ``pip install
+-c constraints.txt -e '.[video]'``); without them, as animated GIFs (``.gif``) with a
+one-line note. Each file gets a line in ``DIR/manifest.jsonl`` (``prompt_index``,
 ``prompt``, ``seed``, ``file``), appended as the file is written. An existing output
 file is never overwritten: the command checks every name before loading the model and
 stops (exit status 2) naming the first that exists."""
@@ -34,6 +36,8 @@ REQUEST_FLAGS = {
     "num_frames": "--num-frames",
     "fps": "--fps",
     "negative_prompt": "--negative-prompt",
+    "true_cfg_scale": "--true-cfg-scale",
+    "extra_sampling_params": "--guidance-scale-2 / --flow-shift",
 }
 
 
@@ -66,13 +70,22 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core generate"
         "--guidance-scale", type=float, default=None, metavar="G",
         help="classifier-free guidance scale; 1 or less turns it off (default: the pipeline's own default)",
     )
+    parser.add_argument(
+        "--guidance-scale-2", type=float, default=None, metavar="G",
+        help="guidance scale of Wan 2.2's low-noise expert (required there when guidance is on)",
+    )
+    parser.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
+                        help="true-CFG scale of the families that have it (Qwen-Image)")
+    parser.add_argument("--flow-shift", type=float, default=None, metavar="S",
+                        help="schedule shift, as --diffusion-flow-shift in training (default: the checkpoint's)")
     parser.add_argument("--height", type=int, default=None, metavar="H", help="default: the pipeline's native size")
     parser.add_argument("--width", type=int, default=None, metavar="W", help="default: the pipeline's native size")
     parser.add_argument("--num-frames", type=int, default=None, metavar="N", help="frames of a video family (default: the family's)")
-    parser.add_argument("--fps", type=float, default=None, help="frame rate of a video family, and of its GIF (default: 16 for the GIF)")
+    parser.add_argument("--fps", type=float, default=None, help="frame rate of a video family, and of the written MP4 or GIF (default: 16 for the file)")
     parser.add_argument(
         "--lora", metavar="DIR", default=None,
-        help="a diffusers LoRA (a directory written by save_lora_weights), loaded with pipeline.load_lora_weights",
+        help="a diffusers LoRA (the directory a training run saves), loaded with pipeline.load_lora_weights "
+             "or the family's own loader",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     return parser
@@ -175,6 +188,11 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
             guidance_scale=args.guidance_scale if args.guidance_scale is not None else 0.0,
             num_frames=args.num_frames,
             fps=args.fps,
+            true_cfg_scale=args.true_cfg_scale,
+            extra_sampling_params={
+                key: value for key, value in (("guidance_scale_2", args.guidance_scale_2), ("flow_shift", args.flow_shift))
+                if value is not None
+            },
             rollout=False,
             request_id=f"generate-p{index:03d}",
         )
@@ -188,7 +206,7 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
     # a file that appears meanwhile is not overwritten either.
     for index in range(len(prompts)):
         for i in range(args.num_outputs):
-            for suffix in (".png", ".gif"):
+            for suffix in (".png", ".mp4", ".gif"):
                 path = out / _file_name(index, args.seed + i, suffix)
                 if path.exists():
                     raise GenerateError(
@@ -206,7 +224,10 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
     guidance = args.guidance_scale if args.guidance_scale is not None else float(
         _pipeline_default(pipeline_class, "guidance_scale", 4.0)
     )
-    if args.lora is not None and not hasattr(pipeline_class, "load_lora_weights"):
+    from miles_core.family import ModelFamily
+
+    own_loader = family_cls.load_lora is not ModelFamily.load_lora  # e.g. Cosmos 3's transformer adapter API
+    if args.lora is not None and not own_loader and not hasattr(pipeline_class, "load_lora_weights"):
         raise GenerateError(
             f"--lora {args.lora}: the {family_name} family's pipeline ({pipeline_class.__name__}) has no LoRA loader "
             "(load_lora_weights)"
@@ -221,7 +242,7 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
         pipeline.set_progress_bar_config(disable=True)
     if args.lora is not None:
         try:
-            pipeline.load_lora_weights(args.lora)
+            engine.family.load_lora(args.lora)
         except Exception as exc:  # noqa: BLE001 - a bad LoRA directory or mismatched modules
             raise GenerateError(f"--lora {args.lora}: cannot load it into the {family_name} pipeline: {_first_line(exc)}") from None
 
@@ -237,6 +258,7 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     written = 0
+    gif_noted = False
     for index, ((prompt, metadata), request) in enumerate(zip(prompts, requests)):
         outputs = engine.generate_sync(request)
         for output in outputs:
@@ -247,6 +269,9 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
             with (out / MANIFEST).open("a", encoding="utf-8") as manifest:
                 manifest.write(json.dumps(row, ensure_ascii=False) + "\n")
             written += 1
+            if name.endswith(".gif") and not gif_noted:
+                gif_noted = True
+                print(f"{prog}: note: {GIF_NOTE}", file=sys.stderr)
             if output.extra_outputs and written == 1:
                 print(
                     f"{prog}: note: {', '.join(sorted(output.extra_outputs))} output(s) are not written yet",
@@ -275,17 +300,62 @@ def _to_pil(pixels: Any) -> Any:
     return Image.fromarray(array)
 
 
+GIF_NOTE = (
+    "no MP4 encoder is installed, so videos are written as animated GIFs; for MP4 install imageio with "
+    "imageio-ffmpeg (pip install -c constraints.txt -e '.[video]' in the miles-core checkout)"
+)
+DEFAULT_FPS = 16.0
+
+
+def mp4_encoder() -> Any:
+    """``imageio.v3`` when imageio and imageio-ffmpeg (with its bundled ffmpeg binary)
+    are importable, else None: videos then fall back to animated GIFs."""
+    try:
+        import imageio.v3 as iio
+        import imageio_ffmpeg
+
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except (ImportError, RuntimeError, OSError):
+        return None
+    return iio
+
+
+def _to_frames(pixels: Any) -> Any:
+    """``[C, F, H, W]`` in [0, 1] to ``[F, H, W, 3]`` uint8 (rounded as :func:`_to_pil`)."""
+    import torch
+
+    array = (pixels.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+    array = array.permute(1, 2, 3, 0)
+    if array.shape[-1] == 1:
+        array = array.expand(-1, -1, -1, 3)
+    return array.contiguous().numpy()
+
+
 def _write(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | None) -> str:
+    iio = mp4_encoder() if pixels.ndim == 4 else None
+    if pixels.ndim == 4 and iio is not None:  # [C, F, H, W] as H.264 MP4
+        name = _file_name(prompt_index, seed, ".mp4")
+        try:
+            with (out / name).open("xb") as handle:
+                # macro_block_size 2: H.264 with yuv420p needs even sizes; others keep their size.
+                iio.imwrite(handle, _to_frames(pixels), extension=".mp4", plugin="FFMPEG", fps=fps or DEFAULT_FPS,
+                            codec="libx264", macro_block_size=2)
+        except FileExistsError:
+            raise GenerateError(f"--out {out}: {name} exists; refusing to overwrite it") from None
+        except Exception as exc:  # noqa: BLE001 - ffmpeg's failure: leave no partial file behind
+            (out / name).unlink(missing_ok=True)
+            raise GenerateError(f"{out / name}: the MP4 encoder (imageio-ffmpeg) failed: {_first_line(exc)}") from None
+        return name
     if pixels.ndim == 3:
         name = _file_name(prompt_index, seed, ".png")
         image, extra = _to_pil(pixels), {"format": "PNG"}
-    elif pixels.ndim == 4:  # [C, F, H, W]
+    elif pixels.ndim == 4:  # [C, F, H, W] as an animated GIF (no MP4 encoder installed)
         name = _file_name(prompt_index, seed, ".gif")
         frames = [_to_pil(pixels[:, f]) for f in range(pixels.shape[1])]
         image = frames[0]
         extra = {
             "format": "GIF", "save_all": True, "append_images": frames[1:], "loop": 0,
-            "duration": max(1, round(1000 / (fps or 16))),
+            "duration": max(1, round(1000 / (fps or DEFAULT_FPS))),
         }
     else:
         raise GenerateError(f"the family returned an output of shape {tuple(pixels.shape)}; expected [C,H,W] or [C,F,H,W]")

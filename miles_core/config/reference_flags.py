@@ -166,7 +166,11 @@ _TABLE: tuple[Flag, ...] = (
                "hardware all draw the same latents."),
     _f("rollout", "--rollout-patch-group", "str", None, "Comma-separated numeric-parity patch groups, e.g. sgld,ltx."),
     _f("rollout", "--update-weight-target-module", "str", "transformer",
-       "Comma-separated modules to train and sync (Wan2.2: transformer,transformer_2)."),
+       "Comma-separated modules to train and sync; unset, the model family's trainable components "
+       "(Wan 2.2: transformer,transformer_2).",
+       reference_default="transformer",
+       differs="The family's trainable components when unset, so Wan 2.2 trains both experts without an extra flag "
+               "(its steps fall on both sides of the expert boundary)."),
     _f("rollout", "--update-weight-buffer-size", "int", 512 * 1024**2, "Weight-sync chunk size in bytes (512 MiB)."),
     _f("rollout", "--rollout-seed", "int", 42, "Random seed for rollout generation."),
     _f("rollout", "--over-sampling-batch-size", "int", None, "Prompts sampled per rollout; must equal --rollout-batch-size today."),

@@ -263,6 +263,10 @@ class _Resolver:
                           f"(it reads {', '.join(FAMILY_GENERATION_OPTIONS[o] for o in spec.generation_options) or 'none of the family-specific generation flags'})")
         if self.v("lora_target_modules") is None:
             c.set("lora_target_modules", list(spec.lora_target_modules), Source.FAMILY)
+        if not c.is_user_set("update_weight_target_module"):
+            # The family's trainable components (Wan 2.2: both experts), unless the user
+            # names the modules to train.
+            c.set("update_weight_target_module", ",".join(spec.trainable_components), Source.FAMILY)
         if self.v("diffusion_height") is None or self.v("diffusion_width") is None:
             checkpoint = self.v("hf_checkpoint")
             if checkpoint and Path(checkpoint).is_dir():
@@ -702,10 +706,26 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
             f"--eval-config {config.eval_config}: OmegaConf evaluation configs are not supported yet; "
             "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
         )
+    family = registry_spec(host, "model_family", config.model_family)
+    if (
+        family is not None and not family.supports_cfg_training and loss != "sft_loss"
+        and config.diffusion_guidance_scale > 1
+    ):
+        errors.append(
+            f"--diffusion-guidance-scale {config.diffusion_guidance_scale}: the {family.name} family does not train "
+            "with classifier-free guidance (as in the reference), so rollouts must sample without it; use "
+            "--diffusion-guidance-scale 1 (its recipe does)"
+        )
     if config.diffusion_step_strategy_path:
         errors.extend(_dry_run_step_strategy(config))
     errors.extend(unavailable_errors(config))
     return errors
+
+
+def registry_spec(host: PluginHost, kind: str, name: str | None) -> Any:
+    """The spec registered under ``name`` in registry ``kind``, or None."""
+    registry = host.registries[kind]
+    return registry.get(name).spec if name is not None and name in registry else None
 
 
 def _dry_run_step_strategy(config: Config) -> list[str]:

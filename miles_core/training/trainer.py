@@ -82,8 +82,9 @@ class Trainer:
                 for name, parameter in module.named_parameters():
                     parameter.requires_grad_("lora_" in name)
         else:
-            for module in self.modules.values():
-                module.requires_grad_(True)
+            for name in self.modules:
+                for _, parameter in family.trainable_parameters(name):
+                    parameter.requires_grad_(True)
         if config.fsdp_attention_backend:
             set_attention_backend(self.modules, config.fsdp_attention_backend)
         if config.gradient_checkpointing:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from pathlib import Path
 
 import pytest
 
@@ -66,8 +67,25 @@ def test_validation_requires_guidance_scale_2(host: PluginHost) -> None:
     assert host.validate(zero) == []
 
 
+def test_validation_requires_both_experts_as_update_targets(host: PluginHost) -> None:
+    def config(targets: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=3.0, update_weight_target_module=targets)
+
+    assert host.validate(config("transformer,transformer_2")) == []
+    assert host.validate(config(" transformer_2 , transformer ")) == []
+    for targets in ("transformer", "transformer_2", "transformer,transformer_2,vae"):
+        assert host.validate(config(targets)) == [
+            f"--update-weight-target-module {targets}: the Wan 2.2 family trains both experts, "
+            "--update-weight-target-module transformer,transformer_2 (a rollout's SDE steps fall on both sides of the "
+            "expert boundary, and the trainer cannot skip the steps of an expert it does not train)"
+        ]
+    # Both rules at once, one line each.
+    both = types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=None, update_weight_target_module="transformer")
+    assert len(host.validate(both)) == 2
+
+
 def test_validation_ignores_other_families(host: PluginHost) -> None:
-    other = types.SimpleNamespace(model_family="sd3", diffusion_guidance_scale_2=None)
+    other = types.SimpleNamespace(model_family="sd3", diffusion_guidance_scale_2=None, update_weight_target_module="transformer")
     assert host.validate(other) == []
 
 
@@ -81,3 +99,26 @@ def test_native_size_is_wan_pipeline_default() -> None:
 
 def test_registration_and_family_stay_light() -> None:
     testing.assert_plugin_is_light("wan22", "miles-wan22")
+
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "wan22.yaml"
+
+
+@pytest.mark.skipif(not RECIPE.is_file(), reason="recipes/ ships with the miles-core checkout")
+def test_the_recipe_has_the_published_values() -> None:
+    from miles_core.config.resolve import resolve_config, training_errors
+
+    config = resolve_config(["--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "--rollout-batch-size", "1",
+                             "--custom-config-path", str(RECIPE)])
+    assert config.model_family == "wan2_2" and training_errors(config) == []
+    assert (config.n_samples_per_prompt, config.rollout_microgroup_size) == (16, 8)  # reference recipe
+    assert config.update_weight_target_module == "transformer,transformer_2"
+    assert (config.diffusion_guidance_scale, config.diffusion_guidance_scale_2) == (4.0, 3.0)  # Wan 2.2 A14B
+    # flow_grpo Wan 2.1: steps, size, frames, KL beta.
+    assert (config.diffusion_num_steps, config.diffusion_eval_num_steps, config.diffusion_num_sde_steps) == (20, 50, 19)
+    assert (config.diffusion_height, config.diffusion_width, config.diffusion_output_num_frames) == (240, 416, 33)
+    assert config.diffusion_kl_beta == 0.004
+    # flow_grpo SD3.5 (our choice for Wan): noise, clip, LoRA, lr.
+    assert (config.diffusion_noise_level, config.diffusion_clip_range, config.diffusion_adv_clip_max) == (0.7, 1e-4, 5.0)
+    assert (config.use_lora, config.lora_rank, config.lora_alpha, config.lr) == (True, 32, 64, 3e-4)
+    assert list(config.lora_target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]  # the family's default

@@ -28,30 +28,367 @@ Understanding tower (frozen):
     layers.<i>.input_layernorm / post_attention_layernorm
     norm, lm_head   (unused by the diffusion forward)
 
-Rule of thumb: a name containing ``moe_gen``, ``add_``, ``_added_`` or ``und_for_gen``, or
-starting with ``proj_``, ``time_embedder``, ``audio_`` or ``action_`` is generation; the rest
-is understanding. Backpropagating the velocity reaches the understanding tower too
-(through the keys/values it contributes; only ``norm`` and ``lm_head`` get no gradient), so
-full fine-tuning must freeze it explicitly; the default LoRA targets touch generation only.
+Backpropagating the velocity reaches the understanding tower too (through the keys and
+values it contributes; only ``norm`` and ``lm_head`` get no gradient), so full fine-tuning
+freezes it explicitly (:meth:`Cosmos3Family.trainable_parameters`); the default LoRA
+targets touch generation only.
+
+The runtime follows ``Cosmos3OmniPipeline.__call__`` for text-to-image (``num_frames``
+1) and text-to-video: one packed sample per transformer call (the joint sequence has no
+batch dimension), classifier-free guidance as a second call on the negative prompt's
+sequence, combined in fp32 as ``uncond + s * (cond - uncond)`` whenever ``s != 1``.
+Image/video conditioning, sound and action generation are not part of the RL contract.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
-from miles_core.family import ModelFamily
+from miles_core.family import (
+    Conditioning,
+    GenerationParams,
+    Latents,
+    ModelFamily,
+    Schedule,
+    per_output_noise,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_core.engine.request import RolloutRequest
 
 # Cosmos3OmniPipeline.__call__ hard-codes these when height/width are None (and the run is
 # not action-conditioned); they do not depend on any checkpoint configuration.
 _DEFAULT_HEIGHT = 720
 _DEFAULT_WIDTH = 1280
+_DEFAULT_FPS = 24.0  # Cosmos3OmniPipeline.__call__'s fps default
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+"""The file ``save_lora_adapter`` writes and ``load_lora_adapter`` reads."""
+
+_GENERATION_PARAMETER = re.compile(
+    r"(^|\.)(add_q_proj|add_k_proj|add_v_proj|to_add_out|norm_added_q|norm_added_k|k_norm_und_for_gen"
+    r"|mlp_moe_gen|input_layernorm_moe_gen|post_attention_layernorm_moe_gen|norm_moe_gen"
+    r"|proj_in|proj_out|time_embedder|audio_[a-z_]+|action_[a-z_]+)(\.|$)"
+)
+
+
+def is_generation_parameter(name: str) -> bool:
+    """Whether the transformer parameter ``name`` belongs to the generation path (the
+    module docstring lists both paths); everything else is the understanding tower."""
+    return _GENERATION_PARAMETER.search(name) is not None
 
 
 class Cosmos3Family(ModelFamily):
     """Cosmos 3: one packed sample per transformer call, CFG as two calls."""
 
     pipeline_class: ClassVar[str] = "diffusers:Cosmos3OmniPipeline"
+    batched_outputs: ClassVar[bool] = False
+    """The joint sequence packs one sample: the engine denoises outputs one at a time."""
+
+    max_sequence_length: ClassVar[int] = 1024
+    """Token ids are right-padded to this length (with an attention mask) so conditionings
+    of different prompts stack into one micro-batch; the pipeline never truncates, so a
+    longer prompt is a request error. ``extra_sampling_params.max_sequence_length`` sets it."""
+
+    # -- instance side: the prediction contract ---------------------------------------
+
+    def components(self) -> dict[str, torch.nn.Module]:
+        return {"transformer": self.pipeline.transformer}
+
+    def trainable_parameters(self, component: str) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Full fine-tuning trains the transformer's generation path only; the
+        understanding tower (text embedding, causal attention, text MLPs) stays frozen."""
+        for name, parameter in self.components()[component].named_parameters():
+            if is_generation_parameter(name):
+                yield name, parameter
+
+    def _shift_key(self) -> str | None:
+        """The scheduler's flow-matching shift option: UniPC's ``flow_shift`` (in its
+        flow-sigma mode) or FlowMatchEuler's ``shift``; None when it has none."""
+        config = self.pipeline.scheduler.config
+        if config.get("use_flow_sigmas", False) and "flow_shift" in config:
+            return "flow_shift"
+        if "shift" in config:
+            return "shift"
+        return None
+
+    def resolve_params(self, request: RolloutRequest) -> GenerationParams:
+        import math
+
+        from miles_core.engine.request import FLOW_SHIFT, RequestError
+
+        pipe = self.pipeline
+        spatial = int(pipe.vae_scale_factor_spatial)  # Cosmos3OmniPipeline.check_inputs
+        temporal = int(pipe.vae_scale_factor_temporal)
+        sizes = {}
+        for name, native in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH)):
+            value = getattr(request, name)
+            value = native if value is None else value
+            # The transformer pads the latent grid to its patch itself, as the pipeline relies on.
+            if value % spatial:
+                raise RequestError(name, f"{value} must be a multiple of {spatial} (the VAE's spatial factor)")
+            sizes[name] = value
+        # None is an image, as the trainer sends --diffusion-output-num-frames 1 (the
+        # pipeline's own default, 189 frames, is for its interactive use).
+        frames = 1 if request.num_frames is None else request.num_frames
+        if frames != 1 and (frames - 1) % temporal:
+            got = (frames - 1) // temporal * temporal + 1
+            raise RequestError(
+                "num_frames",
+                f"{frames}: a video has 1 + {temporal}k frames (the VAE compresses time {temporal}x; the pipeline "
+                f"would return {got})",
+            )
+        fps = _DEFAULT_FPS if request.fps is None else float(request.fps)
+        if not math.isfinite(fps) or fps <= 0:
+            raise RequestError("fps", f"must be a finite number > 0, got {request.fps}")
+        if request.true_cfg_scale is not None:
+            raise RequestError("true_cfg_scale", "Cosmos 3 has no true CFG; use guidance_scale")
+        extra = dict(request.extra_sampling_params)
+        unknown = sorted(set(extra) - {"max_sequence_length", FLOW_SHIFT})
+        if unknown:
+            raise RequestError(
+                "extra_sampling_params",
+                f"Cosmos 3 takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}",
+            )
+        if request.flow_shift is not None and self._shift_key() is None:
+            raise RequestError(
+                "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no flow shift"
+            )
+        length = extra.get("max_sequence_length", self.max_sequence_length)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise RequestError("extra_sampling_params", f"max_sequence_length must be a positive integer, got {length!r}")
+        return GenerationParams(
+            height=sizes["height"],
+            width=sizes["width"],
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=float(request.guidance_scale),
+            num_frames=frames,
+            fps=fps,
+            extra={"max_sequence_length": length} if "max_sequence_length" in extra else {},
+            flow_shift=request.flow_shift,
+        )
+
+    @staticmethod
+    def _cfg(params: GenerationParams) -> bool:
+        return params.guidance_scale != 1.0  # Cosmos3OmniPipeline.do_classifier_free_guidance
+
+    def encode(self, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
+        """The pipeline's token ids (system prompt, duration/resolution templates, eos and
+        ``<|vision_start|>``), right-padded to ``max_sequence_length`` with a mask. There
+        is no text encoder: the transformer embeds the ids itself. A None negative prompt
+        is the pipeline's ``""`` (with its inverse templates)."""
+        import torch
+
+        from miles_core.engine.request import RequestError
+
+        cond_ids, uncond_ids = self.pipeline.tokenize_prompt(
+            prompt,
+            negative_prompt,
+            num_frames=params.num_frames or 1,
+            height=params.height,
+            width=params.width,
+            fps=params.fps if params.fps is not None else _DEFAULT_FPS,
+        )
+        length = params.extra.get("max_sequence_length", self.max_sequence_length)
+
+        def pack(ids: list[int], what: str) -> dict[str, torch.Tensor]:
+            if len(ids) > length:
+                raise RequestError(
+                    what,
+                    f"{len(ids)} tokens with the pipeline's templates, more than max_sequence_length {length} "
+                    "(raise it with extra_sampling_params.max_sequence_length)",
+                )
+            padded = torch.zeros(1, length, dtype=torch.long)
+            padded[0, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask = torch.zeros(1, length, dtype=torch.long)
+            mask[0, : len(ids)] = 1
+            return {"input_ids": padded.to(self.device), "attention_mask": mask.to(self.device)}
+
+        positive = pack(cond_ids, "prompt")
+        negative = pack(uncond_ids, "negative_prompt") if self._cfg(params) else None
+        return Conditioning(positive, negative)
+
+    def _latent_shape(self, params: GenerationParams) -> tuple[int, int, int, int]:
+        pipe = self.pipeline
+        spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+        frames = params.num_frames or 1
+        return (
+            int(pipe.vae.config.z_dim),
+            (frames - 1) // temporal + 1,
+            params.height // spatial,
+            params.width // spatial,
+        )
+
+    def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
+
+        shape = (1, *self._latent_shape(params))
+        # One draw per output from its own CPU generator, in fp32 as the pipeline's
+        # prepare_latents (randn_tensor with sampling dtype fp32) draws it.
+        noise = per_output_noise(shape, generators)
+        return {"latents": noise.to(self.device, self.dtype)}
+
+    def schedule(self, params: GenerationParams) -> Schedule:
+        """The pipeline's ``set_timesteps`` on a private copy of its scheduler (with
+        ``use_native_flow_schedule`` as the pipeline applies it; ``flow_shift`` rebuilds
+        the scheduler with that shift). Timesteps are what the pipeline hands the
+        transformer, as fp32 (UniPC's integer timesteps are exact in fp32). One
+        deviation: UniPC lowers a first sigma of 1 by 1e-6 to keep its own log-SNR
+        finite; the Flow-GRPO SDE needs the exact 1 there (``σ/(1-σ)`` would make the
+        first step's noise ~1000x too large), so that sigma is restored to 1."""
+        import copy
+
+        import numpy as np
+        import torch
+
+        pipe = self.pipeline
+        scheduler = copy.deepcopy(pipe.scheduler)  # set_timesteps mutates; requests run concurrently
+        if params.flow_shift is not None:
+            key = self._shift_key()
+            overrides: dict[str, Any] = {key: params.flow_shift}
+            if "use_dynamic_shifting" in scheduler.config:
+                overrides["use_dynamic_shifting"] = False  # an explicit shift replaces a dynamic one
+            scheduler = type(scheduler).from_config(scheduler.config, **overrides)
+        steps = params.num_inference_steps
+        if pipe.config.get("use_native_flow_schedule", False):
+            sigmas = np.linspace(1.0 - 1.0 / scheduler.config.num_train_timesteps, 0.0, steps + 1)[:-1]
+            scheduler.set_timesteps(steps, device=self.device, sigmas=sigmas)
+        else:
+            scheduler.set_timesteps(steps, device=self.device)
+        sigmas = scheduler.sigmas.to(self.device, torch.float32).clone()
+        if 0 < 1 - float(sigmas[0]) < 1e-5:
+            sigmas[0] = 1.0
+        return Schedule(timesteps=scheduler.timesteps.to(self.device, torch.float32), sigmas=sigmas)
+
+    def _velocity(self, x: torch.Tensor, timestep: float, ids: torch.Tensor, params: GenerationParams) -> torch.Tensor:
+        """One transformer call on one sample (``x`` is ``[1, C, T, H, W]``), packed as
+        Cosmos3OmniPipeline.__call__ packs its conditional or unconditional pass."""
+        import torch
+
+        pipe = self.pipeline
+        transformer = pipe.transformer
+        text = pipe._prepare_text_segment(ids.tolist(), device=self.device)
+        vision = pipe._prepare_vision_segment(
+            input_vision_tokens=x,
+            has_image_condition=False,
+            mrope_offset=text["vision_start_temporal_offset"],
+            vision_fps=params.fps if params.fps is not None else _DEFAULT_FPS,
+            curr=text["und_len"],
+            device=self.device,
+            condition_frame_indexes=[],
+        )
+        # fp32 timesteps, one per noisy vision token (the pipeline's torch.full of t.item()).
+        timesteps = torch.full((vision["num_noisy_vision_tokens"],), timestep, dtype=torch.float32, device=self.device)
+        preds, _, _ = transformer(
+            input_ids=text["input_ids"],
+            text_indexes=text["text_indexes"],
+            position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+            und_len=text["und_len"],
+            sequence_length=text["und_len"] + vision["num_vision_tokens"],
+            vision_tokens=[x.to(self.device, transformer.dtype)],
+            vision_token_shapes=vision["vision_token_shapes"],
+            vision_sequence_indexes=vision["vision_sequence_indexes"],
+            vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+            vision_timesteps=timesteps,
+            vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
+            return_dict=False,
+        )
+        # No conditioning frame: the pipeline's mask keeps every position.
+        mask = torch.zeros((x.shape[2], 1, 1), dtype=torch.float32, device=self.device)
+        velocity, _, _ = pipe._mask_velocity_predictions(preds, None, vision_condition_mask=[mask])
+        return velocity.float()
+
+    def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
+        """One transformer call per row (two with CFG, conditional first), never batched:
+        the packed sequence has no batch dimension."""
+        import torch
+
+        x = latents["latents"].to(self.device)
+        batch = x.shape[0]
+        t = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(batch)
+        cfg = self._cfg(params)
+        if cfg and cond.negative is None:
+            raise ValueError(f"guidance_scale {params.guidance_scale} != 1 needs a negative conditioning")
+
+        def ids(side: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+            # The engine's denoising env stores them as fp32: exact for any vocabulary < 2**24.
+            return side["input_ids"][i][side["attention_mask"][i] > 0].long()
+
+        rows = []
+        for i in range(batch):
+            row, step = x[i : i + 1], float(t[i])
+            v = self._velocity(row, step, ids(cond.positive, i), params)
+            if cfg:
+                uncond = self._velocity(row, step, ids(cond.negative, i), params)
+                v = uncond + params.guidance_scale * (v - uncond)
+            rows.append(v)
+        return {"latents": torch.cat(rows)}
+
+    def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
+        """As the pipeline decodes: un-normalise with the VAE's latent mean/std, decode one
+        sample at a time, ``postprocess_video(output_type="pt")``. Images (1 frame)
+        come back ``[B, C, H, W]``, videos ``[B, C, F, H, W]``."""
+        import torch
+
+        pipe = self.pipeline
+        vae = pipe.vae
+        mean = pipe._vae_latents_mean.to(self.device, vae.dtype).view(1, -1, 1, 1, 1)
+        inv_std = pipe._vae_latents_inv_std.to(self.device, vae.dtype).view(1, -1, 1, 1, 1)
+        outputs = []
+        for row in latents["latents"]:
+            z = row.unsqueeze(0).to(self.device, torch.float32)  # the pipeline's latents are fp32
+            decoded = vae.decode(z.to(vae.dtype) / inv_std + mean).sample.to(torch.float32)
+            frames = pipe.video_processor.postprocess_video(decoded, output_type="pt")  # [1, F, C, H, W]
+            outputs.append(frames.permute(0, 2, 1, 3, 4))
+        video = torch.cat(outputs).float()
+        return video[:, :, 0] if (params.num_frames or 1) == 1 else video
+
+    def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
+        """Pixels in [0, 1] to normalised latents with the pipeline's ``_encode_video``
+        (the VAE posterior's mode), one sample at a time; the inverse of :meth:`decode`."""
+        import torch
+
+        x = pixels.to(self.device, torch.float32) * 2 - 1
+        if x.ndim == 4:
+            x = x.unsqueeze(2)  # an image is a one-frame video
+        z = torch.cat([self.pipeline._encode_video(row.unsqueeze(0)) for row in x])
+        return {"latents": z.to(self.dtype)}
+
+    def save_lora(self, directory: str | Path, modules: Mapping[str, torch.nn.Module]) -> Path:
+        """The transformer's adapter with ``save_lora_adapter`` (Cosmos3OmniPipeline has
+        no pipeline-level LoRA format): ``directory/pytorch_lora_weights.safetensors``,
+        keys without a ``transformer.`` prefix; :meth:`load_lora` reads it back."""
+        unknown = sorted(set(modules) - {"transformer"})
+        if unknown:
+            raise ValueError(f"Cosmos 3 trains only the transformer, got LoRA modules for {', '.join(unknown)}")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        modules["transformer"].save_lora_adapter(str(directory), weight_name=LORA_WEIGHT_NAME)
+        return directory
+
+    def load_lora(self, directory: str | Path) -> int:
+        """Load a :meth:`save_lora` directory into the pipeline's transformer
+        (``load_lora_adapter(..., prefix=None)``: the default ``transformer`` prefix
+        would silently match nothing); returns how many modules took the adapter, and
+        raises when none did."""
+        import torch
+
+        transformer = self.pipeline.transformer
+        before = set(getattr(transformer, "peft_config", {}) or {})
+        transformer.load_lora_adapter(str(directory), weight_name=LORA_WEIGHT_NAME, prefix=None)
+        added = set(getattr(transformer, "peft_config", {}) or {}) - before
+        loaded = [
+            name for name, module in transformer.named_modules()
+            if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and added & set(module.lora_A)
+        ]
+        if not loaded:
+            raise ValueError(f"{directory}: the LoRA matched no module of the Cosmos 3 transformer")
+        return len(loaded)
+
+    # -- class side -------------------------------------------------------------------
 
     @classmethod
     def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:

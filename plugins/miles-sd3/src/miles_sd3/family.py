@@ -15,6 +15,7 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    per_output_noise,
     read_component_config,
 )
 
@@ -126,14 +127,13 @@ class SD3Family(ModelFamily):
         return self.pipeline.transformer.config.in_channels, params.height // s, params.width // s
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
-        import torch
 
         shape = (1, *self._latent_shape(params))
         # One draw per output from its own CPU generator: an output's noise depends only
         # on its seed, not on the batch it is in or the device.
-        noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+        noise = per_output_noise(shape, generators)
         # The pipeline casts given latents to the prompt-embedding dtype (the family dtype).
-        return {"latents": torch.cat(noise).to(self.device, self.dtype)}
+        return {"latents": noise.to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:
         import copy

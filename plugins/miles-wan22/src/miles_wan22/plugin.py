@@ -12,6 +12,8 @@ from miles_core import ModelFamilySpec, hookimpl
 
 FAMILY_NAME = "wan2_2"
 
+EXPERTS = ("transformer", "transformer_2")
+
 GUIDANCE_SCALE_2_REQUIRED = (
     "--diffusion-guidance-scale-2 is required for the Wan 2.2 family: the low-noise expert "
     "(transformer_2) has its own guidance scale and there is no fallback"
@@ -40,15 +42,32 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
     ]
 
 
+def both_experts_required(value: str) -> str:
+    return (
+        f"--update-weight-target-module {value}: the Wan 2.2 family trains both experts, "
+        "--update-weight-target-module transformer,transformer_2 (a rollout's SDE steps fall on both sides of the "
+        "expert boundary, and the trainer cannot skip the steps of an expert it does not train)"
+    )
+
+
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
-    """Require ``--diffusion-guidance-scale-2`` for Wan 2.2.
+    """Require ``--diffusion-guidance-scale-2`` for Wan 2.2, and both experts as
+    ``--update-weight-target-module``.
 
     diffusers silently reuses ``guidance_scale`` for the low-noise expert when
-    ``guidance_scale_2`` is None; the reference refuses to guess, and so do we.
+    ``guidance_scale_2`` is None; the reference refuses to guess, and so do we. Training
+    one expert alone would back-propagate the other expert's steps through frozen
+    weights (a crash deep in autograd), so it is refused here with the flag to set.
     """
     if getattr(config, "model_family", None) != FAMILY_NAME:
         return []
+    errors = []
     if getattr(config, "diffusion_guidance_scale_2", None) is None:
-        return [GUIDANCE_SCALE_2_REQUIRED]
-    return []
+        errors.append(GUIDANCE_SCALE_2_REQUIRED)
+    targets = getattr(config, "update_weight_target_module", None)
+    if targets is not None:
+        names = {name.strip() for name in str(targets).split(",") if name.strip()}
+        if names != set(EXPERTS):
+            errors.append(both_experts_required(str(targets)))
+    return errors

@@ -1,0 +1,341 @@
+"""Contract checks every model family's test suite runs (DESIGN section 4), on the
+family's tiny pipeline.
+
+A family plugin's tests call these instead of re-deriving them; each check raises
+:class:`AssertionError` with a message naming what failed, and returns what it measured
+so a test can print it. They generalise what the SD3 tests pin:
+
+- :func:`tiny_train_args` / :func:`run_training`: a short Flow-GRPO run with LoRA on
+  the tiny pipeline, in process.
+- :func:`check_alignment_probe`: the engine and the trainer compute the same log-probs
+  and model outputs, exactly (``--debug-skip-optimizer-step --diffusion-debug-mode``
+  with the micro-batch tile that reproduces the engine's microgroups).
+- :func:`check_multi_output_invariant`: output *i* of a request with *M* outputs equals
+  the one-output request with seed ``seed + i``.
+- :func:`check_training_reaches_components`: one optimizer step gives a non-zero
+  gradient on every declared trainable component and every LoRA target module, and
+  changes their weights (and nothing under the ``frozen`` prefixes).
+- :func:`check_generate_writes`: ``miles-core generate`` writes readable files (PNG for
+  images; MP4 for videos when an encoder is installed, else an animated GIF).
+
+The family is found from the checkpoint's name as the configuration does; pass
+``family=`` only when the name matches no pattern. Import-light: torch, diffusers and the
+training code are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from miles_core.engine.request import RolloutRequest
+    from miles_core.family import ModelFamily
+
+PROMPTS = ("a red cube", "a blue ball", "a green tree")
+"""The prompts of :func:`tiny_train_args`' prompt file."""
+
+PROBE_FLAGS = ("--debug-skip-optimizer-step", "--diffusion-debug-mode")
+
+
+def _family_spec(checkpoint: str | Path, family: str | None) -> Any:
+    """The registered spec of ``family``, or of the family matched from the checkpoint."""
+    from miles_core.config.resolve import match_family
+    from miles_core.plugin_manager import get_host
+
+    registry = get_host().registries.model_family
+    if family is not None:
+        assert family in registry, f"model family {family!r} is not installed (installed: {', '.join(registry.names())})"
+        return registry.get(family).spec
+    return match_family(checkpoint, registry).spec
+
+
+def _family_flags(family: str | None) -> list[str]:
+    return ["--diffusion-model-family", family] if family is not None else []
+
+
+def tiny_microgroup(checkpoint: str | Path, family: str | None = None) -> int:
+    """The microgroup of the tiny runs: 2, or the family's maximum when that is smaller."""
+    spec = _family_spec(checkpoint, family)
+    return min(2, spec.max_microgroup_size or 2)
+
+
+def tiny_train_args(checkpoint: str | Path, out_dir: str | Path, *extra: str, family: str | None = None) -> list[str]:
+    """The flags of a short Flow-GRPO run on a tiny pipeline: one prompt per rollout with
+    2 samples in microgroups of 2 (or the family's maximum), 3 denoising steps of which 2
+    are SDE steps, the pipeline's native size, ``brightness`` reward, LoRA, 2 rollouts,
+    fp32, deterministic; ``extra`` is appended (a repeated flag overrides). Writes the
+    prompt file (:data:`PROMPTS`) to ``out_dir/prompts.jsonl``; ``out_dir`` is the run's
+    ``--output-dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": p}) + "\n" for p in PROMPTS), encoding="utf-8")
+    return [
+        "--hf-checkpoint", str(checkpoint), *_family_flags(family), "--prompt-data", str(prompts),
+        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+        "--rollout-microgroup-size", str(tiny_microgroup(checkpoint, family)),
+        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", "--rm-type", "brightness",
+        "--use-lora", "--lora-rank", "4", "--num-rollout", "2", "--diffusion-forward-dtype", "fp32",
+        "--deterministic-mode", "--output-dir", str(out), *extra,
+    ]
+
+
+def _resolve_for_training(args: Sequence[str]) -> Any:
+    from miles_core.config.resolve import resolve_config, training_errors
+
+    config = resolve_config(list(args))
+    errors = training_errors(config)
+    assert not errors, "the configuration cannot train:\n" + "\n".join(errors)
+    return config
+
+
+def run_training(args: Sequence[str]) -> list[dict[str, Any]]:
+    """Resolve ``args`` as ``miles-core train`` does (its training rules included: a
+    violation is an :class:`AssertionError` listing them), train in this process and
+    return the run's ``metrics.jsonl`` records."""
+    import torch
+
+    from miles_core.training.run import train
+
+    config = _resolve_for_training(args)
+    # --deterministic-mode switches torch's deterministic algorithms on for the process:
+    # restore the setting, so the next test runs as it would have.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        path = asyncio.run(train(config, log=lambda line: None))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    assert records, f"the run wrote no metrics to {path / 'metrics.jsonl'}"
+    return records
+
+
+def check_alignment_probe(args: Sequence[str]) -> dict[str, Any]:
+    """The alignment probe: ``args`` plus ``--debug-skip-optimizer-step
+    --diffusion-debug-mode`` and the 2-D micro-batch tile that reproduces the engine's
+    microgroups (``--micro-batch-size-sample <microgroup> --micro-batch-size-tstep 1``).
+    Asserts, on every record, that the trainer's log-probs and model outputs equal the
+    engine's exactly (``train/log_prob_*_abs_diff`` and ``train/model_output_*_abs_diff``
+    are 0), that the ratio is exactly 1 and nothing is clipped. Returns the first record."""
+    from miles_core.config.resolve import resolve_config
+
+    microgroup = resolve_config(list(args)).rollout_microgroup_size
+    probe = [*args, *PROBE_FLAGS, "--micro-batch-size-sample", str(microgroup), "--micro-batch-size-tstep", "1"]
+    records = run_training(probe)
+    for record in records:
+        where = f"rollout {record.get('rollout_id')}"
+        assert record.get("train/num_pairs", 0) > 0, f"{where}: the probe trained no pair: {record}"
+        for key in ("train/log_prob_mean_abs_diff", "train/log_prob_max_abs_diff",
+                    "train/model_output_mean_abs_diff", "train/model_output_max_abs_diff"):
+            assert key in record, f"{where}: {key} is missing (is --diffusion-debug-mode reaching the engine?)"
+            assert record[key] == 0.0, f"{where}: {key} = {record[key]!r}, expected exactly 0 (engine/trainer drift)"
+        drift = {k: v for k, v in record.items() if k.startswith("train/log_prob_abs_diff_step_") and v != 0.0}
+        assert not drift, f"{where}: per-step log-prob drift {drift}"
+        ratio = record.get("train/ratio_mean", record.get("train/ratio_mean_per_step", [None])[0])
+        assert ratio == 1.0, f"{where}: the first ratio is {ratio!r}, expected exactly 1"
+        clipfrac = record.get("train/clipfrac", 0.0)
+        assert clipfrac == 0.0, f"{where}: train/clipfrac = {clipfrac!r} with identical policies"
+    return records[0]
+
+
+def _max_diff(a: Any, b: Any, what: str) -> float:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} in the batch, {tuple(b.shape)} alone"
+    if a.numel() == 0:
+        return 0.0
+    return float((a.float() - b.float()).abs().max())
+
+
+def check_multi_output_invariant(family: ModelFamily, request: RolloutRequest, *, atol: float = 1e-5) -> float:
+    """Output *i* of ``request`` (``num_outputs_per_prompt`` M >= 2) equals the one-output
+    request with seed ``seed + i``: pixels, log-probs, trajectory latents and extra outputs
+    within ``atol``. Also asserts that the M outputs differ from one another (each has its
+    own noise: a family that ignores the per-output seed fails here or above). Returns the
+    largest absolute difference seen."""
+    import dataclasses
+
+    from miles_core.engine.embedded import EmbeddedEngine
+
+    m = request.num_outputs_per_prompt
+    assert m >= 2, f"the invariant needs a request with at least 2 outputs, got num_outputs_per_prompt={m}"
+    engine = EmbeddedEngine(family)
+    batch = engine.generate_sync(request)
+    assert len(batch) == m, f"{m} outputs asked, {len(batch)} returned"
+    assert [o.seed for o in batch] == [request.seed + i for i in range(m)], [o.seed for o in batch]
+    worst = 0.0
+    for i, output in enumerate(batch):
+        (single,) = engine.generate_sync(dataclasses.replace(request, seed=request.seed + i, num_outputs_per_prompt=1))
+        pairs = [("generated_output", output.generated_output, single.generated_output)]
+        if output.rollout_log_probs is not None or single.rollout_log_probs is not None:
+            assert output.rollout_log_probs is not None and single.rollout_log_probs is not None, (
+                f"output {i}: log-probs returned in one case only"
+            )
+            pairs.append(("rollout_log_probs", output.rollout_log_probs, single.rollout_log_probs))
+        if output.dit_trajectory is not None and single.dit_trajectory is not None:
+            for stream in family.latent_streams:
+                if stream in output.dit_trajectory:
+                    pairs.append((f"dit_trajectory[{stream}]", output.dit_trajectory[stream], single.dit_trajectory[stream]))
+        assert set(output.extra_outputs) == set(single.extra_outputs), (
+            f"output {i}: extra outputs {sorted(output.extra_outputs)} in the batch, {sorted(single.extra_outputs)} alone"
+        )
+        pairs += [(f"extra_outputs[{k}]", output.extra_outputs[k], single.extra_outputs[k]) for k in output.extra_outputs]
+        for what, a, b in pairs:
+            diff = _max_diff(a, b, f"output {i} {what}")
+            assert diff <= atol, (
+                f"output {i} of a {m}-output request differs from the one-output request with seed "
+                f"{request.seed + i} in {what}: max |diff| = {diff:.3e} > {atol:g}"
+            )
+            worst = max(worst, diff)
+    for i in range(1, m):
+        spread = _max_diff(batch[0].generated_output, batch[i].generated_output, f"outputs 0 and {i}")
+        assert spread > atol, (
+            f"outputs 0 and {i} of one request are identical (max |diff| = {spread:.3e}): the outputs do not get "
+            "their own noise"
+        )
+    return worst
+
+
+def check_training_reaches_components(
+    checkpoint: str | Path, *extra: str, family: str | None = None, frozen: Sequence[str] = (),
+) -> dict[str, float]:
+    """Build the trainer on the tiny pipeline with LoRA on every declared trainable
+    component (``--update-weight-target-module`` = the spec's ``trainable_components``),
+    generate one rollout (advantages +1/-1) and take one optimizer step. Asserts a
+    non-zero gradient on every trainable component and on every LoRA target (each
+    ``--lora-target-modules`` suffix, over the modules it wraps in each component), that
+    each of them changed, and that no parameter whose ``component.name`` starts with one
+    of ``frozen`` has a gradient or changed (each prefix must match some parameter).
+    ``extra`` flags are appended. Returns the gradient norm of each component."""
+    import torch
+
+    from miles_core.engine.factory import create_engine
+    from miles_core.plugin_manager import get_host
+    from miles_core.rollout.data import PromptRecord
+    from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
+    from miles_core.training.trainer import Trainer
+
+    spec = _family_spec(checkpoint, family)
+    config = _resolve_for_training([
+        "--hf-checkpoint", str(checkpoint), *_family_flags(family), "--rollout-batch-size", "1",
+        "--n-samples-per-prompt", "2", "--rollout-microgroup-size", str(tiny_microgroup(checkpoint, family)),
+        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", "--use-lora", "--lora-rank", "4",
+        "--lr", "1e-2", "--num-steps-per-rollout", "1", "--diffusion-forward-dtype", "fp32",
+        "--update-weight-target-module", ",".join(spec.trainable_components), *extra,
+    ])
+    engine = create_engine(config)
+    host = get_host()
+    trainer = Trainer(engine.family, config, host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+                      host.registries.loss.get(config.loss_type).load())
+    components = engine.family.components()
+    everything = {f"{c}.{n}": p for c, module in components.items() for n, p in module.named_parameters()}
+    for prefix in frozen:
+        assert any(name.startswith(prefix) for name in everything), (
+            f"frozen prefix {prefix!r} matches no parameter (names look like {next(iter(everything))!r})"
+        )
+    watched = {n for n in everything if any(n.startswith(p) for p in frozen)}
+    trainable = trainer.named_trainable()
+    assert not watched & set(trainable), (
+        f"parameters under the frozen prefixes are trainable: {sorted(watched & set(trainable))[:5]}"
+    )
+    before = {n: p.detach().clone() for n, p in everything.items() if n in trainable or n in watched}
+
+    groups = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord(PROMPTS[0])],
+                                          strategy_from_config(config)))
+    samples = [s for group in groups for s in group]
+    advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(samples))])
+    metrics = trainer.train_rollout(samples, advantages)
+    assert trainer.optimizer_steps >= 1, f"no optimizer step was taken: {metrics}"
+
+    def grad_norm(names: Sequence[str]) -> float:
+        grads = [trainable[n].grad for n in names if trainable[n].grad is not None]
+        return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads))) if grads else 0.0
+
+    def changed(names: Sequence[str]) -> bool:
+        return any(not torch.equal(before[n], everything[n].detach()) for n in names)
+
+    norms: dict[str, float] = {}
+    for component in trainer.modules:
+        names = [n for n in trainable if n.startswith(component + ".")]
+        assert names, f"component {component!r} has no trainable parameter"
+        norms[component] = grad_norm(names)
+        assert norms[component] > 0, f"component {component!r}: zero gradient after one step"
+        assert changed(names), f"component {component!r}: no weight changed after the optimizer step"
+    if config.use_lora:
+        # Per target (a module-name suffix of --lora-target-modules), not per wrapped module: a
+        # module can be structurally dead (SD3's last joint block discards the text stream, so
+        # its attn.add_q_proj never receives a gradient) while the target trains elsewhere.
+        reached: dict[str, list[str]] = {target: [] for target in config.lora_target_modules}
+        for component, module in trainer.modules.items():
+            wrapped = [name for name, sub in module.named_modules() if hasattr(sub, "lora_A")]
+            assert wrapped, f"component {component!r}: no module carries a LoRA adapter"
+            for target in config.lora_target_modules:
+                matched = [name for name in wrapped if name == target or name.endswith("." + target)]
+                if not matched:
+                    continue
+                names = [n for n in trainable if any(n.startswith(f"{component}.{m}.lora_") for m in matched)]
+                assert names, f"LoRA target {target!r} of {component}: no trainable LoRA parameter"
+                assert grad_norm(names) > 0, (
+                    f"LoRA target {target!r} of {component}: zero gradient after one step on all {len(matched)} "
+                    f"module(s) it wraps"
+                )
+                assert changed(names), f"LoRA target {target!r} of {component}: unchanged after the optimizer step"
+                reached[target].append(component)
+        missing = [target for target, where in reached.items() if not where]
+        assert not missing, f"LoRA target(s) {missing} wrap no module of {', '.join(trainer.modules)}"
+    leaked = sorted(n for n in watched if everything[n].grad is not None and bool(everything[n].grad.abs().sum() > 0))
+    assert not leaked, f"frozen parameters received a gradient: {leaked[:5]}"
+    moved = sorted(n for n in watched if not torch.equal(before[n], everything[n].detach()))
+    assert not moved, f"frozen parameters changed: {moved[:5]}"
+    return norms
+
+
+def check_generate_writes(checkpoint: str | Path, out_dir: str | Path, *extra: str, family: str | None = None) -> list[Path]:
+    """Run ``miles-core generate`` in this process (one prompt, two outputs, 2 steps;
+    ``extra`` appended) and check what it wrote: one file per output, listed in the
+    manifest, a PNG for an image and an MP4 (when an encoder is installed) or animated
+    GIF for a video, each readable back. Returns the files."""
+    from miles_core.cli import generate
+
+    out = Path(out_dir)
+    argv = ["--hf-checkpoint", str(checkpoint), *_family_flags(family), "--prompt", PROMPTS[0], "--num-outputs", "2",
+            "--num-inference-steps", "2", "--seed", "0", "--out", str(out), *extra]
+    try:
+        status = generate.run(argv)
+    except SystemExit as exc:  # the parser's one-line error
+        raise AssertionError(f"miles-core generate {' '.join(argv)} exited with status {exc.code}") from None
+    assert status == 0, f"miles-core generate exited with status {status}"
+    rows = [json.loads(line) for line in (out / generate.MANIFEST).read_text(encoding="utf-8").splitlines() if line]
+    assert rows, "the manifest lists no file"
+    files = [out / row["file"] for row in rows]
+    on_disk = sorted(p.name for p in out.iterdir() if p.name != generate.MANIFEST)
+    assert on_disk == sorted(p.name for p in files), f"files {on_disk} but the manifest lists {[p.name for p in files]}"
+    encoder = generate.mp4_encoder() is not None
+    for path in files:
+        assert path.suffix in (".png", ".mp4", ".gif"), f"{path.name}: unexpected file type"
+        assert path.suffix != (".gif" if encoder else ".mp4"), (
+            f"{path.name}: videos are MP4 when an encoder is installed and GIF otherwise "
+            f"(encoder installed: {encoder})"
+        )
+        try:
+            frames = _read_frames(path)
+        except Exception as exc:  # noqa: BLE001 - any reader failure means an unreadable file
+            raise AssertionError(f"{path.name}: cannot be read back ({type(exc).__name__}: {exc})") from None
+        assert frames >= 1, f"{path.name}: no frame"
+        if path.suffix == ".png":
+            assert frames == 1
+    return files
+
+
+def _read_frames(path: Path) -> int:
+    """The number of frames of an image or video file, read back."""
+    if path.suffix == ".mp4":
+        import imageio.v3 as iio
+
+        return int(iio.imread(path, plugin="FFMPEG", index=None).shape[0])
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        return int(getattr(image, "n_frames", 1))
