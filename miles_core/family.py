@@ -252,6 +252,48 @@ class ModelFamily(abc.ABC):
         return None
 
 
+def flow_shift_key(scheduler: Any) -> str | None:
+    """The scheduler config's flow-matching shift option: ``flow_shift`` (UniPC or
+    DPM-Solver in flow-sigma mode) or ``shift`` (FlowMatchEuler); None when it has none."""
+    config = scheduler.config
+    if "flow_shift" in config and config.get("use_flow_sigmas", False):
+        return "flow_shift"
+    return "shift" if "shift" in config else None
+
+
+def scheduler_copy(scheduler: Any, flow_shift: float | None = None) -> Any:
+    """A private copy of a pipeline's scheduler (``set_timesteps`` mutates it, and
+    requests run concurrently), rebuilt from its config with ``flow_shift`` when given:
+    diffusers derives parts of the sigma grid from the shift in ``__init__``, so setting
+    it afterwards would not match a scheduler built with it; an explicit shift replaces
+    a dynamic (resolution-dependent) one. ``ValueError`` for a scheduler without a shift."""
+    import copy
+
+    if flow_shift is None:
+        return copy.deepcopy(scheduler)
+    key = flow_shift_key(scheduler)
+    if key is None:
+        raise ValueError(f"{type(scheduler).__name__} has no shift")
+    overrides: dict[str, Any] = {key: flow_shift}
+    if "use_dynamic_shifting" in scheduler.config:
+        overrides["use_dynamic_shifting"] = False
+    return type(scheduler).from_config(scheduler.config, **overrides)
+
+
+FIRST_SIGMA_GUARD = 1e-5
+
+
+def exact_first_sigma(sigmas: torch.Tensor) -> torch.Tensor:
+    """``sigmas`` with a first sigma that UniPC / DPM-Solver lowered from 1 to keep their
+    multistep arithmetic finite (1 - 1e-6) put back to exactly 1: families step with
+    Euler / Flow-GRPO SDE steps, where that guard would defeat the SDE's sigma = 1 rule
+    (the first step's noise scale ``sqrt(sigma / (1 - sigma))`` would be ~1000x too large)."""
+    sigmas = sigmas.clone()
+    if 0 < 1 - float(sigmas[0]) <= FIRST_SIGMA_GUARD:
+        sigmas[0] = 1.0
+    return sigmas
+
+
 def per_output_noise(shape: Sequence[int], generators: Sequence[torch.Generator]) -> torch.Tensor:
     """``[len(generators), *shape[1:]]`` fp32 noise: one ``torch.randn(shape)`` draw per
     output from that output's own CPU generator (``shape`` has a leading 1), so an

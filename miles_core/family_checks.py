@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:
     from miles_core.engine.request import RolloutRequest
@@ -339,3 +340,33 @@ def _read_frames(path: Path) -> int:
     with Image.open(path) as image:
         image.load()
         return int(getattr(image, "n_frames", 1))
+
+
+def euler_sample(family: ModelFamily, cond: Any, params: Any, latents: dict[str, Any]) -> dict[str, Any]:
+    """The deterministic (ODE) loop over the family's own API: ``x += (sigma' - sigma) v``
+    for every latent stream, with ``cond`` already expanded to the batch. What a family's
+    test compares with its diffusers pipeline, so the loop is written once."""
+    schedule = family.schedule(params)
+    batch = next(iter(latents.values())).shape[0]
+    x = {name: value.float() for name, value in latents.items()}
+    for k in range(params.num_inference_steps):
+        v = family.predict(x, schedule.timesteps[k].expand(batch), cond, params)
+        dt = schedule.sigmas[k + 1] - schedule.sigmas[k]
+        x = {name: x[name] + dt * v[name] for name in x}
+    return x
+
+
+@contextmanager
+def nudged(parameter: Any, delta: float = 0.5) -> Iterator[None]:
+    """Add ``delta`` to one entry of ``parameter`` inside the block, then restore it
+    exactly: the control that shows a parity check sees that weight."""
+    import torch
+
+    saved = parameter.detach().clone()
+    try:
+        with torch.no_grad():
+            parameter.view(-1)[0] += delta
+        yield
+    finally:
+        with torch.no_grad():
+            parameter.copy_(saved)

@@ -15,12 +15,20 @@ from unittest import mock
 
 import pytest
 import torch
-from diffusers import Cosmos3OmniPipeline, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers import (
+    Cosmos3OmniPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+)
+from miles_cosmos3.family import (
+    LORA_WEIGHT_NAME,
+    Cosmos3Family,
+    is_generation_parameter,
+)
 
 from miles_core import family_checks, testing
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.family import GenerationParams
-from miles_cosmos3.family import LORA_WEIGHT_NAME, Cosmos3Family, is_generation_parameter
 
 PROMPT = "a red apple on a wooden table"
 NEGATIVE = "blurry, low quality"
@@ -64,13 +72,7 @@ def _generators(seed: int, n: int) -> list[torch.Generator]:
 @torch.no_grad()
 def _family_sample(family: Cosmos3Family, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
     cond = family.encode(PROMPT, NEGATIVE, params).expand(x.shape[0])
-    schedule = family.schedule(params)
-    latents = x.float()
-    for k in range(params.num_inference_steps):
-        t = schedule.timesteps[k].expand(latents.shape[0])
-        v = family.predict({"latents": latents}, t, cond, params)["latents"]
-        latents = latents + (schedule.sigmas[k + 1] - schedule.sigmas[k]) * v
-    return family.decode({"latents": latents}, params)
+    return family.decode(family_checks.euler_sample(family, cond, params, {"latents": x}), params)
 
 
 def _pipeline_sample(pipe: Cosmos3OmniPipeline, x: torch.Tensor, guidance: float, size: dict) -> torch.Tensor:
@@ -103,14 +105,8 @@ def test_euler_loop_over_the_family_equals_the_pipeline(euler_family, euler_pipe
     # Control: the comparison sees the generation path. Nudge one generation weight in
     # the family run only (the pipeline shares the module, so restore it).
     weight = euler_family.components()["transformer"].layers[0].self_attn.add_q_proj.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] += 0.5
+    with family_checks.nudged(weight):
         nudged = _family_sample(euler_family, params, x)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
     assert (nudged - theirs).abs().max().item() > 1e-4
     assert torch.equal(_family_sample(euler_family, params, x), ours)  # restored
 

@@ -14,12 +14,12 @@ from dataclasses import replace
 import pytest
 import torch
 from diffusers import LTX2Pipeline
+from miles_ltx.family import LtxFamily
 
 from miles_core import family_checks, testing
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.family import GenerationParams
-from miles_ltx.family import LtxFamily
 
 PROMPT = "a red cat dancing"
 HEIGHT, WIDTH = 32, 64  # multiples of 32; latents 4 x 8
@@ -71,13 +71,8 @@ def _generators(seed: int, n: int) -> list[torch.Generator]:
 
 @torch.no_grad()
 def _family_sample(family: LtxFamily, params: GenerationParams, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    latents = family.initial_latents(params, _generators(seed, n))
     cond = family.encode(PROMPT, None, params).expand(n)
-    schedule = family.schedule(params)
-    for k in range(params.num_inference_steps):
-        v = family.predict(latents, schedule.timesteps[k].expand(n), cond, params)
-        dt = schedule.sigmas[k + 1] - schedule.sigmas[k]
-        latents = {name: latents[name] + dt * v[name] for name in family.latent_streams}
+    latents = family_checks.euler_sample(family, cond, params, family.initial_latents(params, _generators(seed, n)))
     return family.decode(latents, params), family.extra_outputs(latents, params)["audio"]
 
 
@@ -121,14 +116,8 @@ def test_euler_loop_over_the_family_equals_the_pipeline(family: LtxFamily, pipe:
     # Control: the comparison sees the transformer. Nudge one weight of the transformer
     # only in the family run (the pipeline shares the module, so restore it).
     weight = family.components()["transformer"].transformer_blocks[0].attn1.to_q.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] += 0.5
+    with family_checks.nudged(weight):
         nudged, nudged_audio = _family_sample(family, params, 7, 2)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
     assert (nudged - theirs_video).abs().max().item() > 1e-4
     assert (nudged_audio - theirs_audio).abs().max().item() > 0  # the audio branch reads the video too
     assert torch.equal(_family_sample(family, params, 7, 2)[0], video)  # restored

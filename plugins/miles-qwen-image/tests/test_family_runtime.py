@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-
-from miles_core import testing
-from miles_core.engine.request import RequestError, RolloutRequest
-from miles_core.family import Conditioning, GenerationParams
 from miles_qwen_image.family import MAX_SEQUENCE_LENGTH, QwenImageFamily
 from miles_qwen_image.plugin import LORA_TARGET_MODULES
+
+from miles_core import family_checks, testing
+from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.family import Conditioning, GenerationParams
 
 PROMPT = "a red cube on a blue table"
 LONG_PROMPT = "a very small green frog sitting on a large wet leaf next to a pond under the rain at night"
@@ -50,13 +50,7 @@ def _generators(seed: int, n: int) -> list[torch.Generator]:
 
 @torch.no_grad()
 def _family_latents(family: QwenImageFamily, params: GenerationParams, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-    schedule = family.schedule(params)
-    latents = x.float()
-    for k in range(params.num_inference_steps):
-        t = schedule.timesteps[k].expand(latents.shape[0])
-        v = family.predict({"latents": latents}, t, cond, params)["latents"]
-        latents = latents + (schedule.sigmas[k + 1] - schedule.sigmas[k]) * v
-    return latents
+    return family_checks.euler_sample(family, cond, params, {"latents": x})["latents"]
 
 
 def _family_sample(family: QwenImageFamily, params: GenerationParams, x: torch.Tensor, prompt: str = PROMPT):
@@ -99,14 +93,8 @@ def test_euler_loop_over_the_family_equals_the_pipeline(family: QwenImageFamily,
     # Control: the comparison sees the transformer. Nudge one weight of the family's
     # transformer only in the family run (the pipeline shares the module, so restore it).
     weight = family.components()["transformer"].transformer_blocks[0].attn.to_q.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] += 0.5
+    with family_checks.nudged(weight):
         nudged, _ = _family_sample(family, params, x)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
     assert (nudged - their_latents).abs().max().item() > 1e-4
     assert torch.equal(_family_sample(family, params, x)[0], latents)  # restored
 

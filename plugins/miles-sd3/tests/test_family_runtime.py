@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
+from miles_sd3.family import SD3Family
 
-from miles_core import testing
+from miles_core import family_checks, testing
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.family import GenerationParams
-from miles_sd3.family import SD3Family
 
 PROMPT = "a red cube on a blue table"
 SIZE = 32  # latents 4x4: small, and a multiple of 16
@@ -44,13 +44,7 @@ def _generators(seed: int, n: int) -> list[torch.Generator]:
 @torch.no_grad()
 def _family_sample(family: SD3Family, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
     cond = family.encode(PROMPT, " ", params).expand(x.shape[0])
-    schedule = family.schedule(params)
-    latents = x.float()
-    for k in range(params.num_inference_steps):
-        t = schedule.timesteps[k].expand(latents.shape[0])
-        v = family.predict({"latents": latents}, t, cond, params)["latents"]
-        latents = latents + (schedule.sigmas[k + 1] - schedule.sigmas[k]) * v
-    return family.decode({"latents": latents}, params)
+    return family.decode(family_checks.euler_sample(family, cond, params, {"latents": x}), params)
 
 
 def _pipeline_sample(pipe: StableDiffusion3Pipeline, x: torch.Tensor, guidance: float) -> torch.Tensor:
@@ -81,14 +75,8 @@ def test_euler_loop_over_the_family_equals_the_pipeline(family: SD3Family, pipe,
     # Control: the comparison sees the transformer. Nudge one weight of the family's
     # transformer only in the family run (the pipeline shares the module, so restore it).
     weight = family.components()["transformer"].transformer_blocks[0].attn.to_q.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] += 0.5
+    with family_checks.nudged(weight):
         nudged = _family_sample(family, params, x)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
     assert (nudged - theirs).abs().max().item() > 1e-4
     assert torch.equal(_family_sample(family, params, x), ours)  # restored
 

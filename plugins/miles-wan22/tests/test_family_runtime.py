@@ -16,13 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+    WanPipeline,
+)
+from miles_wan22 import family as family_module
+from miles_wan22.family import EXPERTS, WAN_DEFAULT_NUM_FRAMES, Wan22Family
 
 from miles_core import family_checks, testing
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.family import GenerationParams
-from miles_wan22 import family as family_module
-from miles_wan22.family import EXPERTS, WAN_DEFAULT_NUM_FRAMES, Wan22Family
 
 PROMPT = "a red apple on a table"
 NEGATIVE = "blurry"
@@ -69,12 +73,7 @@ def _generators(seed: int, n: int) -> list[torch.Generator]:
 @torch.no_grad()
 def _family_euler(family: Wan22Family, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
     cond = family.encode(PROMPT, NEGATIVE, params).expand(x.shape[0])
-    schedule = family.schedule(params)
-    latents = x.float()
-    for k in range(params.num_inference_steps):
-        v = family.predict({"latents": latents}, schedule.timesteps[k].expand(latents.shape[0]), cond, params)["latents"]
-        latents = latents + (schedule.sigmas[k + 1] - schedule.sigmas[k]) * v
-    return family.decode({"latents": latents}, params)
+    return family.decode(family_checks.euler_sample(family, cond, params, {"latents": x}), params)
 
 
 @torch.no_grad()
@@ -126,14 +125,8 @@ def test_euler_loop_over_the_family_equals_the_pipeline(euler_pipe: WanPipeline,
     # family run only (the pipeline shares the module, so restore it).
     for expert in EXPERTS:
         weight = family.components()[expert].blocks[0].attn1.to_q.weight
-        saved = weight.detach().clone()
-        try:
-            with torch.no_grad():
-                weight[0, 0] += 0.5
+        with family_checks.nudged(weight):
             nudged = _family_euler(family, params, x)
-        finally:
-            with torch.no_grad():
-                weight.copy_(saved)
         assert (nudged - theirs).abs().max().item() > 1e-4, expert
     assert torch.equal(_family_euler(family, params, x), ours)  # restored
 
@@ -223,7 +216,7 @@ def test_flow_shift_rebuilds_the_scheduler_with_that_shift(family: Wan22Family, 
 
 
 def test_flow_shift_is_refused_for_a_scheduler_without_shift(family: Wan22Family, monkeypatch) -> None:
-    monkeypatch.setattr(family_module, "_shift_key", lambda scheduler: None)
+    monkeypatch.setattr(family_module, "flow_shift_key", lambda scheduler: None)
     with pytest.raises(RequestError, match=r"^extra_sampling_params: flow_shift: the pipeline's UniPCMultistepScheduler has no shift$"):
         _params(family, extra_sampling_params={"guidance_scale_2": 3.0, "flow_shift": 5.0})
 
@@ -242,12 +235,8 @@ def test_the_expert_follows_the_timestep(family: Wan22Family) -> None:
     with torch.no_grad():
         before = {k: family.predict({"latents": x}, t, cond, params)["latents"] for k, t in times.items()}
         weight = family.components()["transformer_2"].blocks[0].attn1.to_q.weight
-        saved = weight.clone()
-        weight[0, 0] += 0.5
-        try:
+        with family_checks.nudged(weight):
             after = {k: family.predict({"latents": x}, t, cond, params)["latents"] for k, t in times.items()}
-        finally:
-            weight.copy_(saved)
     assert torch.equal(before["high"], after["high"])
     assert not torch.allclose(before["low"], after["low"])
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterator, Mapping, Sequence
 
 from miles_core.family import (
     Conditioning,
@@ -52,7 +52,10 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    exact_first_sigma,
+    flow_shift_key,
     per_output_noise,
+    scheduler_copy,
 )
 
 if TYPE_CHECKING:
@@ -106,15 +109,6 @@ class Cosmos3Family(ModelFamily):
             if is_generation_parameter(name):
                 yield name, parameter
 
-    def _shift_key(self) -> str | None:
-        """The scheduler's flow-matching shift option: UniPC's ``flow_shift`` (in its
-        flow-sigma mode) or FlowMatchEuler's ``shift``; None when it has none."""
-        config = self.pipeline.scheduler.config
-        if config.get("use_flow_sigmas", False) and "flow_shift" in config:
-            return "flow_shift"
-        if "shift" in config:
-            return "shift"
-        return None
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
         import math
@@ -154,7 +148,7 @@ class Cosmos3Family(ModelFamily):
                 "extra_sampling_params",
                 f"Cosmos 3 takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}",
             )
-        if request.flow_shift is not None and self._shift_key() is None:
+        if request.flow_shift is not None and flow_shift_key(self.pipeline.scheduler) is None:
             raise RequestError(
                 "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no flow shift"
             )
@@ -224,7 +218,6 @@ class Cosmos3Family(ModelFamily):
         )
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
-
         shape = (1, *self._latent_shape(params))
         # One draw per output from its own CPU generator, in fp32 as the pipeline's
         # prepare_latents (randn_tensor with sampling dtype fp32) draws it.
@@ -239,28 +232,19 @@ class Cosmos3Family(ModelFamily):
         deviation: UniPC lowers a first sigma of 1 by 1e-6 to keep its own log-SNR
         finite; the Flow-GRPO SDE needs the exact 1 there (``σ/(1-σ)`` would make the
         first step's noise ~1000x too large), so that sigma is restored to 1."""
-        import copy
 
         import numpy as np
         import torch
 
         pipe = self.pipeline
-        scheduler = copy.deepcopy(pipe.scheduler)  # set_timesteps mutates; requests run concurrently
-        if params.flow_shift is not None:
-            key = self._shift_key()
-            overrides: dict[str, Any] = {key: params.flow_shift}
-            if "use_dynamic_shifting" in scheduler.config:
-                overrides["use_dynamic_shifting"] = False  # an explicit shift replaces a dynamic one
-            scheduler = type(scheduler).from_config(scheduler.config, **overrides)
+        scheduler = scheduler_copy(pipe.scheduler, params.flow_shift)
         steps = params.num_inference_steps
         if pipe.config.get("use_native_flow_schedule", False):
             sigmas = np.linspace(1.0 - 1.0 / scheduler.config.num_train_timesteps, 0.0, steps + 1)[:-1]
             scheduler.set_timesteps(steps, device=self.device, sigmas=sigmas)
         else:
             scheduler.set_timesteps(steps, device=self.device)
-        sigmas = scheduler.sigmas.to(self.device, torch.float32).clone()
-        if 0 < 1 - float(sigmas[0]) < 1e-5:
-            sigmas[0] = 1.0
+        sigmas = exact_first_sigma(scheduler.sigmas.to(self.device, torch.float32))
         return Schedule(timesteps=scheduler.timesteps.to(self.device, torch.float32), sigmas=sigmas)
 
     def _velocity(self, x: torch.Tensor, timestep: float, ids: torch.Tensor, params: GenerationParams) -> torch.Tensor:

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-from miles_core.family import Conditioning, GenerationParams, Latents, ModelFamily, Schedule
+from miles_core.family import (
+    Conditioning,
+    GenerationParams,
+    Latents,
+    ModelFamily,
+    Schedule,
+    scheduler_copy,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -254,19 +261,13 @@ class LtxFamily(ModelFamily):
         }
 
     def schedule(self, params: GenerationParams) -> Schedule:
-        import copy
 
         import numpy as np
         import torch
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
 
-        # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        if params.flow_shift is not None:
-            # The scheduler diffusers builds from a config with this shift (as SD3): an
-            # explicit shift replaces the resolution-dependent (dynamic) one; the
-            # terminal stretch of the config still applies.
-            scheduler = type(scheduler).from_config(scheduler.config, shift=params.flow_shift, use_dynamic_shifting=False)
+        # With a flow shift, the config's terminal stretch still applies.
+        scheduler = scheduler_copy(self.pipeline.scheduler, params.flow_shift)
         steps = params.num_inference_steps
         geo = self._geometry(params)
         pipe = self.pipeline

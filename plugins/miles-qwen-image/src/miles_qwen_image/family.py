@@ -40,6 +40,7 @@ from miles_core.family import (
     ModelFamily,
     Schedule,
     read_component_config,
+    scheduler_copy,
 )
 
 if TYPE_CHECKING:
@@ -200,18 +201,12 @@ class QwenImageFamily(ModelFamily):
         return {"latents": torch.cat(noise).to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:
-        import copy
 
         import numpy as np
         import torch
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-        # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        if params.flow_shift is not None:
-            # The scheduler diffusers builds from a config with this shift (its __init__
-            # derives sigma_min from the shift); an explicit shift replaces the dynamic one.
-            scheduler = type(scheduler).from_config(scheduler.config, shift=params.flow_shift, use_dynamic_shifting=False)
+        scheduler = scheduler_copy(self.pipeline.scheduler, params.flow_shift)
         steps = params.num_inference_steps
         h, w = self._latent_grid(params)
         config = scheduler.config

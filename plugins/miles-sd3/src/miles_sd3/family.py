@@ -17,6 +17,7 @@ from miles_core.family import (
     Schedule,
     per_output_noise,
     read_component_config,
+    scheduler_copy,
 )
 
 if TYPE_CHECKING:
@@ -127,7 +128,6 @@ class SD3Family(ModelFamily):
         return self.pipeline.transformer.config.in_channels, params.height // s, params.width // s
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
-
         shape = (1, *self._latent_shape(params))
         # One draw per output from its own CPU generator: an output's noise depends only
         # on its seed, not on the batch it is in or the device.
@@ -136,7 +136,6 @@ class SD3Family(ModelFamily):
         return {"latents": noise.to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:
-        import copy
 
         import torch
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
@@ -144,13 +143,7 @@ class SD3Family(ModelFamily):
             retrieve_timesteps,
         )
 
-        # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        if params.flow_shift is not None:
-            # The scheduler diffusers builds from a config with this shift: its __init__
-            # derives sigma_min from the shift, so set_shift() alone would not match it.
-            # An explicit shift replaces a resolution-dependent (dynamic) one.
-            scheduler = type(scheduler).from_config(scheduler.config, shift=params.flow_shift, use_dynamic_shifting=False)
+        scheduler = scheduler_copy(self.pipeline.scheduler, params.flow_shift)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             # As StableDiffusion3Pipeline.__call__ (note its max_shift default 1.16).

@@ -25,7 +25,10 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    exact_first_sigma,
+    flow_shift_key,
     per_output_noise,
+    scheduler_copy,
 )
 
 if TYPE_CHECKING:
@@ -49,11 +52,6 @@ MAX_SEQUENCE_LENGTH = "max_sequence_length"
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """diffusers' LoRA file name; :meth:`Wan22Family.save_lora` writes one per expert, in a
 folder named after the expert."""
-
-_SIGMA_GUARD = 2e-6
-"""UniPC (and DPM-Solver) in flow mode lower a first sigma of exactly 1 by 1e-6 (a guard
-for their own log-SNR arithmetic; 0.99999899 in fp32). :meth:`Wan22Family.schedule`
-restores the 1: see there."""
 
 
 class Wan22Family(ModelFamily):
@@ -169,7 +167,7 @@ class Wan22Family(ModelFamily):
                 )
             resolved[MAX_SEQUENCE_LENGTH] = length
         shift = request.flow_shift
-        if shift is not None and not _shift_key(pipe.scheduler):
+        if shift is not None and not flow_shift_key(pipe.scheduler):
             raise RequestError(
                 "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no shift"
             )
@@ -229,7 +227,6 @@ class Wan22Family(ModelFamily):
         )
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
-
         shape = (1, *self._latent_shape(params))
         # One fp32 draw per output from its own CPU generator: what WanPipeline.prepare_latents
         # (randn_tensor with a list of generators) draws for each row.
@@ -249,24 +246,12 @@ class Wan22Family(ModelFamily):
         σ = 1 rule of the SDE (the noise scale would be η·sqrt(σ/(1−σ)) ≈ 1000·η on the
         first step), so the sigma is restored to exactly 1 (an Euler-step difference
         of 1e-6·v)."""
-        import copy
 
         import torch
 
-        # A private copy: set_timesteps mutates the scheduler, and requests run concurrently.
-        scheduler = copy.deepcopy(self.pipeline.scheduler)
-        if params.flow_shift is not None:
-            key = _shift_key(scheduler)
-            if key is None:
-                raise ValueError(f"{type(scheduler).__name__} has no shift")
-            overrides: dict[str, Any] = {key: params.flow_shift}
-            if "use_dynamic_shifting" in scheduler.config:
-                overrides["use_dynamic_shifting"] = False
-            scheduler = type(scheduler).from_config(scheduler.config, **overrides)
+        scheduler = scheduler_copy(self.pipeline.scheduler, params.flow_shift)
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
-        sigmas = scheduler.sigmas.to(self.device, torch.float32).clone()
-        if 0 < 1 - float(sigmas[0]) <= _SIGMA_GUARD:
-            sigmas[0] = 1.0
+        sigmas = exact_first_sigma(scheduler.sigmas.to(self.device, torch.float32))
         return Schedule(timesteps=scheduler.timesteps.to(self.device, torch.float32), sigmas=sigmas)
 
     def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
@@ -396,14 +381,6 @@ class Wan22Family(ModelFamily):
         """``(480, 832)``: WanPipeline's hard-coded default, whatever the checkpoint."""
         return (WAN_DEFAULT_HEIGHT, WAN_DEFAULT_WIDTH)
 
-
-def _shift_key(scheduler: Any) -> str | None:
-    """The scheduler config's shift parameter: ``flow_shift`` (UniPC, DPM-Solver in flow
-    mode) or ``shift`` (FlowMatchEuler); None when it has neither."""
-    for key in ("flow_shift", "shift"):
-        if key in scheduler.config:
-            return key
-    return None
 
 
 def _take_rows(cond: Conditioning, rows: torch.Tensor) -> Conditioning:
