@@ -124,4 +124,10 @@ def miles_register_rollout_engines() -> list[RolloutEngineSpec]:
             description="Servers speaking POST /rollout/generate (miles-core serve-engine, sglang-diffusion)",
             remote=True,
         ),
+        RolloutEngineSpec(
+            name="sglang",
+            ref="miles_core.engine.sglang:SglangEngine",
+            description="sglang-diffusion servers the run starts from --sglang-python's environment (--rollout-num-engines)",
+            remote=True,
+        ),
     ]

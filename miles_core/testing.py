@@ -209,60 +209,19 @@ def tiny_pipeline_fixtures(family: Any, *, seed: int = 0) -> tuple[Any, Any]:
     return tiny_dir, pipe
 
 
-class ServedEngine:
-    """A running ``miles-core serve-engine`` subprocess (see :func:`serve_engine_process`)."""
-
-    def __init__(self, process: subprocess.Popen, url: str, banner: str, log_path: Path) -> None:
-        self.process = process
-        self.url = url
-        self.banner = banner
-        """The line it printed when listening: ``serving <family> <checkpoint> on <url>``."""
-        self.log_path = log_path
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; returns the exit status (killed after ``timeout``)."""
-        import signal
-
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait(timeout=10)
-
-
 @contextmanager
-def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0) -> Iterator[ServedEngine]:
+def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0) -> Iterator[Any]:
     """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` with one
-    torch thread, wait (at most ``timeout`` seconds) until it listens, yield it, and
-    always stop it. Its stderr goes to ``log_path``, quoted when it dies early."""
-    import os
-    import time
+    torch thread (:func:`miles_core.engine.fleet.start_engine`), wait (at most ``timeout``
+    seconds) until it listens, yield its :class:`~miles_core.engine.fleet.ServedEngine`,
+    and always stop it. Its stderr goes to ``log_path``, quoted when it dies early."""
+    from miles_core.engine.fleet import FleetError, start_engine
 
-    log_path = Path(log_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint),
-             "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=log, env=env,
-        )
-    served = None
     try:
-        deadline = time.monotonic() + timeout
-        while served is None:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"serve-engine did not start listening:\n{log_path.read_text()}")
-            banner = next((l for l in log_path.read_text().splitlines() if l.startswith("serving ")), None)
-            if banner is not None:
-                served = ServedEngine(process, banner.rsplit(" ", 1)[1], banner, log_path)
-            else:
-                time.sleep(0.1)
+        served = start_engine(checkpoint, *args, log_path=log_path, timeout=timeout)
+    except FleetError as exc:
+        raise AssertionError(f"serve-engine did not start listening: {exc}\n{Path(log_path).read_text()}") from None
+    try:
         yield served
     finally:
-        if served is not None:
-            served.stop()
-        elif process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        served.stop()

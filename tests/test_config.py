@@ -169,13 +169,21 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
             "(the last step is never an SDE step)"
         )),
         (["--lr-decay-style", "wsd"], "--lr-decay-style wsd requires --lr-wsd-decay-iters"),
-        (["--rollout-engine", "http"], "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"),
+        (["--rollout-engine", "http"], "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers) or --rollout-num-engines N (servers the run starts)"),
         (["--rollout-engine", "http", "--rollout-engine-urls", "localhost:3000"],
          "--rollout-engine-urls: 'localhost:3000' is not an http:// or https:// base URL"),
-        (["--rollout-engine", "sglang"], "--rollout-engine sglang: unknown rollout engine; installed: embedded, http"),
+        (["--rollout-num-engines", "2"], "--rollout-num-engines starts engine servers for --rollout-engine http "
+                                         "without --rollout-engine-urls; drop one of them"),
+        (["--rollout-engine", "http", "--rollout-engine-urls", "http://a:1", "--rollout-num-engines", "2"],
+         "--rollout-num-engines starts engine servers for --rollout-engine http without --rollout-engine-urls; "
+         "drop one of them"),
+        (["--rollout-engine", "http", "--rollout-num-engines", "0"], "--rollout-num-engines 0: must be at least 1"),
+        (["--rollout-parser-num-workers", "0"], "--rollout-parser-num-workers 0: must be at least 1"),
+        (["--rollout-engine", "vllm"], "--rollout-engine vllm: unknown rollout engine; installed: embedded, http, sglang"),
     ],
 )
 @pytest.mark.exercises("--over-sampling-batch-size", "--diffusion-noise-level", "--diffusion-sde-window-range", "--rollout-engine", "--rollout-engine-urls")
+@pytest.mark.exercises("--rollout-num-engines", "--rollout-parser-num-workers")
 def test_reference_rules(extra, expected):
     assert errors_of(*SD35, "--rollout-batch-size", "2", *extra) == [expected]
 

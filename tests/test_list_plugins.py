@@ -11,7 +11,7 @@ REPO_PLUGINS = {
         "step_strategy": ["sde_window", "epoch_global_random_choice", "ode_and_return_last"],
         "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"],
         "rollout_filter": ["check_reward_nonzero_std", "pop_first"],
-        "rollout_engine": ["embedded", "http"],
+        "rollout_engine": ["embedded", "http", "sglang"],
     }),
     "sd3": ("miles-sd3", {"model_family": ["sd3"]}),
     "wan22": ("miles-wan22", {"model_family": ["wan2_2"]}),

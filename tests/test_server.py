@@ -446,3 +446,36 @@ def test_serve_engine_rejects_an_unknown_family(tmp_path):
     )
     assert result.returncode == 2
     assert "no installed model family matches its name" in result.stderr
+
+
+@pytest.mark.exercises("--rollout-parser-num-workers")
+def test_http_engine_decodes_responses_off_the_event_loop(served, reference, monkeypatch):
+    import miles_core.engine.http as http_module
+
+    url, _ = served
+    threads = []
+    decode = http_module.unpack_outputs
+
+    def recording(raw):
+        threads.append(threading.current_thread())
+        return decode(raw)
+
+    monkeypatch.setattr(http_module, "unpack_outputs", recording)
+
+    async def main():
+        loop_thread = threading.current_thread()
+        async with HttpEngine([url, url], decode_workers=2) as client:
+            requests = [replace(SMALL, seed=s, request_id=f"d{s}") for s in range(4)] + [ROLLOUT]
+            results = await asyncio.gather(*(client.generate(r) for r in requests))
+        assert len(threads) == 5 and loop_thread not in threads
+        assert all(t.name.startswith("rollout-decode") for t in threads) and len({t.name for t in threads}) <= 2
+        for request, outputs in zip(requests, results):
+            assert_same_outputs(reference.generate_sync(request), outputs)
+
+    run(main())
+    with pytest.raises(ValueError, match="decode_workers must be at least 1"):
+        HttpEngine(url, decode_workers=0)
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(rollout_engine_urls=url, sglang_server_concurrency=4, rollout_parser_num_workers=3)
+    assert HttpEngine.from_config(config).decode_workers == 3

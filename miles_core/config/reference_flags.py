@@ -177,13 +177,25 @@ _TABLE: tuple[Flag, ...] = (
     _f("rollout", "--sglang-server-concurrency", "int", 512, "Per-engine cap on in-flight requests."),
     # Not in the reference, whose only engine is sglang-diffusion; ours is a registry.
     _f("rollout", "--rollout-engine", "str", "embedded",
-       "Rollout engine: embedded (in this process, over diffusers), http (servers speaking POST /rollout/generate, see --rollout-engine-urls) or one a plugin registers.",
+       "Rollout engine: embedded (in this process, over diffusers), http (servers speaking POST /rollout/generate, see --rollout-engine-urls), sglang (sglang-diffusion servers the run starts, see --sglang-python) or one a plugin registers.",
        registry="rollout_engine", reference_default="(no such flag)",
        differs="The reference always launches sglang-diffusion servers; engines here are a registry, and the default runs in-process so a run needs no server and no GPU."),
     _f("rollout", "--rollout-engine-urls", "str", None,
        "Comma-separated base URLs of engine servers (http://127.0.0.1:30000,...), for --rollout-engine http.",
        metavar="URL[,URL...]", reference_default="(no such flag)",
        differs="Added with --rollout-engine: names already running servers (ours from miles-core serve-engine, or sglang-diffusion's)."),
+    _f("rollout", "--rollout-num-engines", "int", None,
+       "Not in the reference. With --rollout-engine http and no --rollout-engine-urls: start N miles-core serve-engine "
+       "servers of --hf-checkpoint on free loopback ports (logs in the run's engines/ folder), sync weights to all of "
+       "them, and stop them when the run ends. With --rollout-engine sglang: the number of sglang-diffusion servers "
+       "it starts (default 1).",
+       metavar="N", reference_default="(no such flag)",
+       differs="Added with --rollout-engine http: the reference launches its sglang-diffusion engines from "
+               "--rollout-num-gpus / --rollout-num-gpus-per-engine through Ray."),
+    _f("rollout", "--sglang-python", "str", None,
+       "Python of the separate sglang-diffusion environment, for --rollout-engine sglang (sglang pins its own torch, diffusers and transformers).",
+       metavar="PATH", reference_default="(no such flag)",
+       differs="The reference runs sglang-diffusion in the trainer's own environment."),
     _f("rollout", "--use-distributed-post", "bool", False,
        "Send rollout HTTP POSTs through per-node Ray actors instead of the local client (MILES_HTTP_POST_ACTORS_PER_NODE sets the count)."),
     _f("rollout", "--use-miles-router", "bool", False, "Route requests through the miles router; required, the SGLang router is not supported."),
@@ -296,7 +308,8 @@ _TABLE: tuple[Flag, ...] = (
     _f("reward", "--colocate-reward", "bool", False,
        "Place reward actors on the rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05); requires --colocate."),
     _f("reward", "--rollout-parser-num-workers", "int", 1,
-       "Ray actors deserializing rollout responses; raise it when trajectory tensors are large."),
+       "Threads decoding rollout responses (msgpack + safetensors) off the event loop, for --rollout-engine "
+       "http (Ray actors in the reference); raise it when trajectory tensors are large."),
     # ------------------------------------------------------------------ rollout customization hooks
     _hook("customization", "--custom-generate-function-path", "Replaces the inner generate call of the diffusion rollout."),
     # The filter flags take a registered filter name or a dotted path (checked by the core's miles_validate_config).
@@ -428,8 +441,8 @@ UNAVAILABLE: dict[str, str] = {
     "--fsdp-master-dtype": "separate master weights come with the FSDP2 trainer; this version keeps the trainable "
                            "parameters and the optimizer state in --diffusion-forward-dtype (fp32 without GPUs)",
     "--use-distributed-post": "HTTP posts through per-node Ray actors need the Ray runtime, not in this version",
-    "--rollout-patch-group": "numeric-parity patch groups apply to sglang-diffusion servers, and --rollout-engine sglang "
-                             "is not in this version",
+    "--rollout-patch-group": "numeric-parity patch groups patch sglang-diffusion's own code, which miles-core does not "
+                             "modify; --rollout-engine sglang serves the stock server",
     "--use-miles-router": _LATER_FLEET,
     "--miles-router-timeout": _LATER_FLEET,
     "--miles-router-max-connections": _LATER_FLEET,
@@ -438,8 +451,6 @@ UNAVAILABLE: dict[str, str] = {
     "--rollout-health-check-interval": _LATER_FLEET,
     "--rollout-health-check-timeout": _LATER_FLEET,
     "--rollout-health-check-first-wait": _LATER_FLEET,
-    "--rollout-parser-num-workers": "parsing responses in Ray actors needs the Ray runtime, not in this version; "
-                                    "responses are decoded in the run's own process",
     "--sft-frame-stride": "video SFT rows come with the video model families, not in this version; image rows have no frames",
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
                              "use --use-wandb (offline mode works without a network) and metrics.jsonl",

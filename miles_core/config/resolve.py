@@ -486,8 +486,15 @@ class _Resolver:
             self.fail("--lr-decay-style wsd requires --lr-wsd-decay-iters")
         self.check_schedule_ci_env_rules()
         urls = v("rollout_engine_urls")
-        if v("rollout_engine") == "http" and not urls:
-            self.fail("--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)")
+        engines = v("rollout_num_engines")
+        if engines is not None and engines < 1:
+            self.fail(f"--rollout-num-engines {engines}: must be at least 1")
+        elif engines is not None and v("rollout_engine") != "sglang" and (v("rollout_engine") != "http" or urls):
+            self.fail("--rollout-num-engines starts engine servers for --rollout-engine http without "
+                      "--rollout-engine-urls; drop one of them")
+        if v("rollout_engine") == "http" and not urls and engines is None:
+            self.fail("--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"
+                      " or --rollout-num-engines N (servers the run starts)")
         for url in (urls or "").split(","):
             if urls and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
                 self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")

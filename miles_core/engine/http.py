@@ -3,7 +3,8 @@
 
 Requests go to the base URL with the fewest requests in flight (ties: the least recently
 chosen), at most ``max_concurrency`` at a time per URL (``--sglang-server-concurrency``).
-Response bodies are decoded off the event loop. Weight updates and checksum requests go to
+Response bodies (msgpack + safetensors) are decoded off the event loop, in a pool of
+``decode_workers`` threads (``--rollout-parser-num-workers``). Weight updates and checksum requests go to
 every URL. A failed request raises :class:`EngineRequestError` naming the URL, the HTTP
 status and the server's message.
 """
@@ -11,6 +12,7 @@ status and the server's message.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import time
@@ -52,6 +54,7 @@ class HttpEngine(RolloutEngine):
         max_concurrency: int = DEFAULT_CONCURRENCY,
         request_timeout: float | None = None,
         connect_timeout: float = 30.0,
+        decode_workers: int = 1,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -64,6 +67,10 @@ class HttpEngine(RolloutEngine):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
+        if decode_workers < 1:
+            raise ValueError(f"decode_workers must be at least 1, got {decode_workers}")
+        self.decode_workers = decode_workers
+        self._decoder: concurrent.futures.ThreadPoolExecutor | None = None
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         # Per URL slot (a URL may be listed twice: two routes to one server).
         self.in_flight = [0] * len(self.urls)
@@ -76,7 +83,8 @@ class HttpEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, config: Any) -> HttpEngine:
-        return cls(config.rollout_engine_urls, max_concurrency=config.sglang_server_concurrency)
+        return cls(config.rollout_engine_urls, max_concurrency=config.sglang_server_concurrency,
+                   decode_workers=config.rollout_parser_num_workers or 1)
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -150,9 +158,15 @@ class HttpEngine(RolloutEngine):
             self.in_flight[index] -= 1
         self._check(url + "/rollout/generate", status, raw)
         try:
-            return await asyncio.to_thread(unpack_outputs, raw)
+            return await self._decode(raw)
         except WireError as exc:
             raise EngineRequestError(url + "/rollout/generate", status, f"undecodable response: {exc}") from exc
+
+    async def _decode(self, raw: bytes) -> list[RolloutOutput]:
+        """``unpack_outputs(raw)`` in the decoder thread pool."""
+        if self._decoder is None:
+            self._decoder = concurrent.futures.ThreadPoolExecutor(self.decode_workers, thread_name_prefix="rollout-decode")
+        return await asyncio.get_running_loop().run_in_executor(self._decoder, unpack_outputs, raw)
 
     async def health(self) -> dict[str, int | None]:
         """The status of ``GET /health`` per URL (None: no answer)."""
@@ -256,6 +270,9 @@ class HttpEngine(RolloutEngine):
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False)
+            self._decoder = None
 
     async def __aenter__(self) -> HttpEngine:
         return self

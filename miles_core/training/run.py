@@ -179,7 +179,10 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
         torch.use_deterministic_algorithms(True)
     host = get_host()
     loss_fn = host.registries.loss.get(config.loss_type).load()
-    engine = None if sft or config.train_only else _engine(config)
+    # --rollout-num-engines: the run starts its engine servers once its output folder exists.
+    own_fleet = not (sft or config.train_only or replay) and config.rollout_engine == "http" \
+        and not config.rollout_engine_urls and bool(config.get("rollout_num_engines"))
+    engine = None if sft or config.train_only or own_fleet else _engine(config)
     # The embedded engine shares its modules with the trainer; a remote one gets weight
     # syncs; with no engine (SFT, a replay) the trainer loads the family itself.
     family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
@@ -197,6 +200,9 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
 
         schedule = resume_schedule(config, schedule, log)
     progress = Progress()
+    fleet = None
+    if own_fleet:
+        engine, fleet = _start_fleet(config, out, log)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
         if sft:
             loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts, progress)
@@ -220,9 +226,17 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
                 if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
                     _save(config, trainer, rollout_id, data_source, schedule)
             failed = False
+        except Exception as exc:
+            from miles_core.engine.http import EngineRequestError
+
+            if isinstance(exc, EngineRequestError):  # an engine died or refused: one line naming its URL
+                raise RunError(f"rollout engine failed: {' '.join(str(exc).split())}") from None
+            raise
         finally:
             if engine is not None:
                 await engine.close()
+            if fleet is not None:
+                await asyncio.to_thread(fleet.stop)
             if logger is not None:
                 logger.finish(exit_code=1 if failed else 0)
     _save_weights(config, trainer, out)
@@ -278,6 +292,24 @@ def _engine(config: Config) -> Any:
             "so the run cannot sync the trained weights to it"
         )
     return engine
+
+
+def _start_fleet(config: Config, out: Path, log: Callable[[str], None]) -> tuple[Any, Any]:
+    """Start ``--rollout-num-engines`` serve-engine servers (logs under ``out/engines``) and
+    an :class:`~miles_core.engine.http.HttpEngine` over them."""
+    from miles_core.engine.fleet import EngineFleet, FleetError
+    from miles_core.engine.http import HttpEngine
+
+    log_dir = out / "engines"
+    log(f"starting {config.rollout_num_engines} engine server(s) of {config.hf_checkpoint}, logs in {log_dir}")
+    try:
+        fleet = EngineFleet.from_config(config, log_dir)
+    except FleetError as exc:
+        raise RunError(str(exc)) from None
+    log(f"engine servers: {', '.join(fleet.urls)}")
+    engine = HttpEngine(fleet.urls, max_concurrency=config.sglang_server_concurrency,
+                        decode_workers=config.rollout_parser_num_workers or 1)
+    return engine, fleet
 
 
 def _backend(config: Config) -> Any:

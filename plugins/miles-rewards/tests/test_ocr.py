@@ -301,19 +301,28 @@ def test_workers_change_nothing_in_the_values_and_keep_the_order():
 @pytest.mark.exercises("--ocr-num-workers")
 def test_workers_run_the_recogniser_on_that_many_threads():
     threads, lock = set(), threading.Lock()
+    # Four recogniser calls must be in flight at once to pass the barrier (a timing-free
+    # proof of four workers; a pool that reused threads would time out instead).
+    together = threading.Barrier(4, timeout=30)
 
-    def slow(frame):
+    def concurrent(frame):
         with lock:
             threads.add(threading.current_thread().name)
-        time.sleep(0.05)
+        together.wait()
         return "abc" if frame[0, 0, 0] == 0 else ""
 
     images = [torch.zeros(3, 8, 8) if i % 2 else torch.ones(3, 8, 8) for i in range(8)]
-    reward = OcrReward(config(ocr_num_workers=4), backend=slow)
+    reward = OcrReward(config(ocr_num_workers=4), backend=concurrent)
     assert reward(images, ['"abc"'] * 8) == [0.0, 1.0] * 4
     assert len(threads) == 4 and all(name.startswith("miles-ocr") for name in threads)
     threads.clear()
-    assert OcrReward(config(ocr_num_workers=1), backend=slow)(images, ['"abc"'] * 8) == [0.0, 1.0] * 4
+
+    def plain(frame):
+        with lock:
+            threads.add(threading.current_thread().name)
+        return "abc" if frame[0, 0, 0] == 0 else ""
+
+    assert OcrReward(config(ocr_num_workers=1), backend=plain)(images, ['"abc"'] * 8) == [0.0, 1.0] * 4
     assert threads == {threading.current_thread().name}
 
 

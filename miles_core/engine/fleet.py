@@ -1,0 +1,184 @@
+"""Engine servers a run starts itself (``--rollout-engine http --rollout-num-engines N``):
+each a ``miles-core serve-engine`` subprocess of ``--hf-checkpoint`` on a free loopback
+port, with its stderr in a log file. :func:`start_engine` starts one and waits until it
+listens; :class:`EngineFleet` starts several at once, waits until each answers
+``GET /health`` with 200, and stops them all (SIGTERM, then SIGKILL after a timeout).
+
+Failures are :class:`FleetError` with a one-line message naming the engine's log file.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class FleetError(RuntimeError):
+    """An engine server that did not start, or did not become healthy."""
+
+
+class ServedEngine:
+    """A running ``miles-core serve-engine`` subprocess (see :func:`start_engine`)."""
+
+    def __init__(self, process: subprocess.Popen, log_path: Path) -> None:
+        self.process = process
+        self.log_path = Path(log_path)
+        self.url: str | None = None
+        self.banner: str | None = None
+        """The line it printed when listening: ``serving <family> <checkpoint> on <url>``."""
+
+    def poll_banner(self) -> bool:
+        """Read the log for the ``serving ... on URL`` line; True once it is there."""
+        if self.url is None:
+            try:
+                text = self.log_path.read_text(errors="replace")
+            except FileNotFoundError:
+                return False
+            banner = next((line for line in text.splitlines() if line.startswith("serving ")), None)
+            if banner is not None:
+                self.banner, self.url = banner, banner.rsplit(" ", 1)[1]
+        return self.url is not None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        if self.url is None:
+            return False
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _failure(self, what: str) -> FleetError:
+        last = ""
+        try:
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+            last = f" (last line: {lines[-1].strip()})" if lines else ""
+        except FileNotFoundError:
+            pass
+        return FleetError(f"engine server {self.url or f'pid {self.process.pid}'} {what}; see {self.log_path}{last}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; SIGKILL after ``timeout`` seconds. Returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait(timeout=10)
+
+
+def launch_engine(checkpoint: str | Path, *args: str, log_path: str | Path, threads: int | None = 1) -> ServedEngine:
+    """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` (stderr to
+    ``log_path``; ``threads``: its torch threads, None to leave them alone); does not wait."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint),
+             "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True,
+        )
+    return ServedEngine(process, log_path)
+
+
+def wait_for(engines: Sequence[ServedEngine], timeout: float, *, healthy: bool, interval: float = 0.1) -> None:
+    """Wait until every engine listens (and, with ``healthy``, answers ``/health`` 200);
+    :class:`FleetError` naming the first one's log file when it exits or times out."""
+    deadline = time.monotonic() + timeout
+    pending = list(engines)
+    while pending:
+        for engine in list(pending):
+            if engine.process.poll() is not None:
+                raise engine._failure(f"exited with status {engine.process.returncode} before it was healthy")
+            if engine.poll_banner() and (not healthy or engine.healthy()):
+                pending.remove(engine)
+        if pending:
+            if time.monotonic() > deadline:
+                state = "healthy" if healthy else "listening"
+                raise pending[0]._failure(f"was not {state} within {timeout:g} s")
+            time.sleep(interval)
+
+
+def start_engine(checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0,
+                 healthy: bool = False, threads: int | None = 1) -> ServedEngine:
+    """:func:`launch_engine`, then wait (at most ``timeout`` s) until it listens (and with
+    ``healthy``, until its model is loaded); on failure it is killed and
+    :class:`FleetError` names its log."""
+    engine = launch_engine(checkpoint, *args, log_path=log_path, threads=threads)
+    try:
+        wait_for([engine], timeout, healthy=healthy)
+    except BaseException:
+        engine.stop(timeout=5)
+        raise
+    return engine
+
+
+class EngineFleet:
+    """``count`` serve-engine processes of one checkpoint, started together."""
+
+    def __init__(self, engines: Sequence[ServedEngine]) -> None:
+        self.engines = list(engines)
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines if engine.url]
+
+    @classmethod
+    def start(cls, checkpoint: str | Path, count: int, log_dir: str | Path, *args: str, timeout: float = 300.0,
+              threads: int | None = None) -> EngineFleet:
+        """Start ``count`` engines (logs ``log_dir/engine_<i>.log``) and wait until all are
+        healthy; on any failure, stop those started and raise :class:`FleetError`."""
+        if count < 1:
+            raise ValueError(f"an engine fleet needs at least one engine, got {count}")
+        fleet = cls([])
+        try:
+            for index in range(count):
+                fleet.engines.append(
+                    launch_engine(checkpoint, *args, log_path=Path(log_dir) / f"engine_{index}.log", threads=threads)
+                )
+            wait_for(fleet.engines, timeout, healthy=True)
+        except BaseException:
+            fleet.stop(timeout=5)
+            raise
+        return fleet
+
+    @classmethod
+    def from_config(cls, config: Any, log_dir: str | Path) -> EngineFleet:
+        """The run's fleet: ``--rollout-num-engines`` servers of ``--hf-checkpoint`` with the
+        run's family, dtype and weight-update bucket size, on this machine's device."""
+        from miles_core.model_loading import model_device
+
+        args = ["--device", model_device(), "--update-weight-buffer-size", str(config.update_weight_buffer_size)]
+        if config.diffusion_model_family:
+            args += ["--diffusion-model-family", config.diffusion_model_family]
+        if config.diffusion_forward_dtype in ("fp32", "bf16", "fp16"):
+            args += ["--dtype", config.diffusion_forward_dtype]
+        return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every engine, then wait; SIGKILL those still running after ``timeout`` s."""
+        for engine in self.engines:
+            if engine.process.poll() is None:
+                engine.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for engine in self.engines:
+            try:
+                engine.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                engine.process.kill()
+                engine.process.wait(timeout=10)
+
+
+__all__ = ["EngineFleet", "FleetError", "ServedEngine", "launch_engine", "start_engine", "wait_for"]

@@ -1,0 +1,332 @@
+"""The ``sglang`` engine: real sglang-diffusion servers the run starts itself.
+
+sglang pins its own torch, diffusers and transformers, so the servers run from a separate
+Python environment (``--sglang-python PATH``). The run starts ``--rollout-num-engines``
+servers, each on a free loopback port, as
+
+    PATH -m sglang.multimodal_gen.runtime.entrypoints.cli.main serve
+         --model-path CKPT --host 127.0.0.1 --port P [--sglang-* args, prefix stripped]
+
+(``--sglang-attention-backend X`` becomes ``--attention-backend X``, the reference's rule;
+``--model-path``, ``--host`` and ``--port`` are the framework's and an error when passed),
+waits for ``GET /health`` and talks to them through :class:`HttpEngine` (the same
+``/rollout/generate`` wire). Weight sync writes the trainer's weights as safetensors, one
+directory per sync (``<module>/diffusion_pytorch_model.safetensors``), and asks every server
+to load it with ``/update_weights_from_disk``. sglang's own ``/update_weights_from_tensor``
+passes CUDA-IPC handles in pickles, so it serves only colocated GPU runs and is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from miles_core.engine.http import HttpEngine
+from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.training.run import RunError
+from miles_core.weights import named_tensors_checksum
+
+SERVE_MODULE = "sglang.multimodal_gen.runtime.entrypoints.cli.main"
+FRAMEWORK_ARGS = ("--model-path", "--host", "--port")
+"""Server arguments the framework sets itself; passing them as ``--sglang-*`` is an error."""
+PREFIX = "--sglang-"
+IMPORT_CHECK_TIMEOUT = 120.0
+
+
+class SglangEngineError(RunError):
+    """The sglang-diffusion environment or servers could not be used (one line)."""
+
+
+def server_args(sglang_args: Sequence[str]) -> list[str]:
+    """The ``--sglang-*`` pass-through arguments as the server's own: prefix stripped,
+    values verbatim. ``--sglang-model-path``, ``--sglang-host`` and ``--sglang-port`` raise."""
+    out: list[str] = []
+    for token in sglang_args:
+        if token.startswith(PREFIX):
+            name = "--" + token[len(PREFIX):]
+            if name.split("=", 1)[0] in FRAMEWORK_ARGS:
+                raise SglangEngineError(
+                    f"{token.split('=', 1)[0]}: the run sets {name.split('=', 1)[0]} of the sglang-diffusion servers itself"
+                )
+            out.append(name)
+        else:
+            out.append(token)
+    return out
+
+
+def serve_command(python: str, model_path: str, port: int, sglang_args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
+    """The command line of one sglang-diffusion server."""
+    return [str(python), "-m", SERVE_MODULE, "serve", "--model-path", str(model_path), "--host", host,
+            "--port", str(port), *server_args(sglang_args)]
+
+
+def check_python(python: str | None, timeout: float = IMPORT_CHECK_TIMEOUT) -> str:
+    """``python`` as an absolute path, once it runs ``import sglang.multimodal_gen``;
+    :class:`SglangEngineError` (one line) when missing, not executable or broken."""
+    if not python:
+        raise SglangEngineError("--rollout-engine sglang needs --sglang-python PATH: the Python of a separate "
+                                "sglang-diffusion environment (see docs/engine.md; scripts/sglang_lane.sh builds one)")
+    path = Path(python).expanduser()
+    if not path.exists():
+        raise SglangEngineError(f"--sglang-python {python}: no such file")
+    if path.is_dir() or not os.access(path, os.X_OK):
+        raise SglangEngineError(f"--sglang-python {python}: not an executable file")
+    try:
+        result = subprocess.run([str(path), "-c", "import sglang.multimodal_gen"], capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SglangEngineError(f"--sglang-python {python}: 'import sglang.multimodal_gen' took over {timeout:g} s") from None
+    except OSError as exc:
+        raise SglangEngineError(f"--sglang-python {python}: cannot run it: {exc}") from None
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr or result.stdout).strip().splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        raise SglangEngineError(f"--sglang-python {python}: cannot import sglang.multimodal_gen: {last}")
+    return str(path.absolute())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class SglangEngine(HttpEngine):
+    """Starts sglang-diffusion servers, then behaves as an :class:`HttpEngine` over them."""
+
+    def __init__(self, urls: Sequence[str], processes: Sequence[subprocess.Popen], log_paths: Sequence[Path],
+                 work_dir: Path, *, owns_work_dir: bool = False, **kwargs: Any) -> None:
+        super().__init__(list(urls), **kwargs)
+        self.processes = list(processes)
+        self.log_paths = list(log_paths)
+        self.work_dir = Path(work_dir)
+        self._owns_work_dir = owns_work_dir
+        self._syncs = 0
+        self._sync_dir: Path | None = None
+        self._expected: dict[str, tuple[str, str]] = {}  # module -> (checksum of the file, of the trainer's tensors)
+        self.model_path: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> SglangEngine:
+        python = check_python(config.get("sglang_python"))
+        args = list(config.sglang_args)
+        server_args(args)  # framework-set arguments fail before anything starts
+        count = int(config.get("rollout_num_engines") or 1)
+        if count < 1:
+            raise SglangEngineError(f"--rollout-num-engines must be at least 1, got {count}")
+        if config.get("output_dir"):
+            work_dir, owned = Path(config.output_dir) / "sglang", False
+            work_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            work_dir, owned = Path(tempfile.mkdtemp(prefix="miles-sglang-")), True
+        engine = cls.launch(python, config.hf_checkpoint, args, count, work_dir,
+                            timeout=600.0,
+                            max_concurrency=config.sglang_server_concurrency,
+                            decode_workers=config.get("rollout_parser_num_workers") or 1)
+        engine._owns_work_dir = owned
+        return engine
+
+    @classmethod
+    def launch(cls, python: str, model_path: str, sglang_args: Sequence[str], count: int, work_dir: Path, *,
+               timeout: float = 600.0, env: Mapping[str, str] | None = None, **kwargs: Any) -> SglangEngine:
+        """Start ``count`` servers and wait until every one answers ``/health`` with 200."""
+        work_dir = Path(work_dir)
+        (work_dir / "logs").mkdir(parents=True, exist_ok=True)
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        processes, logs, urls = [], [], []
+        for index in range(count):
+            port = free_port()
+            log_path = work_dir / "logs" / f"engine-{index}.log"
+            with log_path.open("wb") as log:
+                processes.append(subprocess.Popen(serve_command(python, model_path, port, sglang_args), stdout=log,
+                                                  stderr=subprocess.STDOUT, env=environment, start_new_session=True))
+            logs.append(log_path)
+            urls.append(f"http://127.0.0.1:{port}")
+        engine = cls(urls, processes, logs, work_dir, **kwargs)
+        engine.model_path = str(model_path)
+        try:
+            engine._wait_healthy(timeout)
+        except BaseException:
+            engine.stop_servers()
+            raise
+        return engine
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.urls))
+        while pending:
+            for index, url in list(pending.items()):
+                code = self.processes[index].poll()
+                if code is not None:
+                    raise SglangEngineError(f"sglang-diffusion server {index} exited with status {code} before it was "
+                                            f"healthy; see {self.log_paths[index]}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                        if response.status == 200:
+                            del pending[index]
+                except (urllib.error.URLError, OSError):
+                    pass
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                index = next(iter(pending))
+                raise SglangEngineError(f"sglang-diffusion server {index} ({pending[index]}) not healthy after "
+                                        f"{timeout:g} s; see {self.log_paths[index]}")
+            time.sleep(0.25)
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        """As :meth:`HttpEngine.generate`. sglang-diffusion 0.5.23 draws output *i* from
+        ``seed + i`` (the lane checks the first latents) but labels every record with the
+        request's ``seed``; such records get their own seed back. Its ``dit_trajectory``
+        holds the requested steps' latents without ``step_indices``; they are added."""
+        outputs = await super().generate(request)
+        if len(outputs) > 1 and all(output.seed == request.seed for output in outputs):
+            for index, output in enumerate(outputs):
+                output.seed = request.seed + index
+        for output in outputs:
+            _normalize_env(output.denoising_env, request)
+            trajectory = output.dit_trajectory
+            # Its trajectory carries no step_indices: the latents are those of the requested
+            # rollout_return_step_indices, in step order, or of every step 0..T.
+            if trajectory and "latents" in trajectory and "step_indices" not in trajectory:
+                rows = trajectory["latents"].shape[0]
+                wanted = request.rollout_return_step_indices
+                steps = sorted(set(wanted)) if wanted is not None else list(range(request.num_inference_steps + 1))
+                if rows != len(steps):
+                    raise SglangEngineError(f"sglang-diffusion returned {rows} trajectory latents without step_indices; "
+                                            f"expected {len(steps)} (steps {steps})")
+                trajectory["step_indices"] = torch.tensor(steps)
+        return outputs
+
+    # -- weight sync through the disk ---------------------------------------------------
+
+    async def update_weights_from_tensors(
+        self,
+        module_name: str,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        buffer_size: int,
+        lora_only: bool = False,
+        lora_config: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Write the module's full weights as safetensors in this sync's directory and have
+        every server load them (``/update_weights_from_disk``). ``buffer_size`` does not
+        apply (one file per module); LoRA-only updates are refused."""
+        if lora_only:
+            raise SglangEngineError("--lora-ipc-weight-sync does not apply to --rollout-engine sglang: its servers "
+                                    "load full weights from disk (leave the flag off)")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in items}
+        folder = self._next_sync_dir() / module_name
+        written = await asyncio.to_thread(self._write_module, folder, module_name, tensors)
+        await self.update_weights_from_disk(str(folder.parent), target_modules=[module_name])
+        self._expected[module_name] = (named_tensors_checksum(written.items()), named_tensors_checksum(tensors.items()))
+        return len(tensors)
+
+    def _next_sync_dir(self) -> Path:
+        if self._sync_dir is None:
+            self._sync_dir = self.work_dir / "weight-sync" / f"sync-{self._syncs:05d}"
+            self._syncs += 1
+        return self._sync_dir
+
+    async def weights_checksums(self, module_names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
+        # The trainer asks for checksums once per sync, after every module: the next
+        # update starts a new directory.
+        self._sync_dir = None
+        answers = await super().weights_checksums(module_names)
+        # sglang hashes every parameter of its module, which can hold tensors the trainer
+        # does not send (SD3's fixed pos_embed table, a buffer in diffusers); the sync file
+        # holds those too, copied from the checkpoint. A server reporting exactly the file
+        # the trainer's tensors were written to holds exactly those tensors: report it as
+        # the trainer's checksum. Any other answer goes through unchanged (and fails the check).
+        for answer in answers.values():
+            for name, value in answer.items():
+                if name in self._expected and value == self._expected[name][0]:
+                    answer[name] = self._expected[name][1]
+        return answers
+
+    def _write_module(self, folder: Path, module_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Write the module's file; tensors of the checkpoint's files the trainer does not
+        send (buffers) are copied from the checkpoint. Returns what was written."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        written = dict(tensors)
+        if self.model_path:
+            source = Path(self.model_path) / module_name
+            if (source / "config.json").is_file():
+                shutil.copyfile(source / "config.json", folder / "config.json")
+            for path in sorted(source.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():
+                        if name not in written:
+                            written[name] = handle.get_tensor(name)
+        save_file(written, str(folder / "diffusion_pytorch_model.safetensors"))
+        return written
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def stop_servers(self, grace: float = 20.0) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+
+    async def close(self) -> None:
+        await super().close()
+        await asyncio.to_thread(self.stop_servers)
+        if self._owns_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _normalize_env(env: dict[str, Any] | None, request: RolloutRequest) -> None:
+    """sglang-diffusion's ``denoising_env`` as ours: it sends ``image_kwargs`` and
+    ``guidance`` as null (filled from the request) and the conditioning with a leading
+    batch dimension of 1 (dropped: ours is per output)."""
+    if not env:
+        return
+    if env.get("image_kwargs") is None:
+        image = {"height": request.height, "width": request.width}
+        if request.num_frames is not None:
+            image.update(num_frames=request.num_frames, fps=request.fps)
+        env["image_kwargs"] = image
+    if env.get("guidance") is None:
+        guidance: dict[str, Any] = {"guidance_scale": request.guidance_scale}
+        if request.true_cfg_scale is not None:
+            guidance["true_cfg_scale"] = request.true_cfg_scale
+        env["guidance"] = guidance
+    for key in ("pos_cond_kwargs", "neg_cond_kwargs"):
+        cond = env.get(key)
+        if isinstance(cond, dict):
+            for name, tensor in list(cond.items()):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() > 1 and tensor.shape[0] == 1:
+                    cond[name] = tensor[0]
+
+
+__all__ = ["FRAMEWORK_ARGS", "SglangEngine", "SglangEngineError", "check_python", "serve_command", "server_args"]

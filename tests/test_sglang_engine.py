@@ -1,0 +1,239 @@
+"""--rollout-engine sglang: the environment checks, the server command line, and the
+launch / health / disk weight sync / shutdown cycle against a stand-in ``sglang`` package
+whose serve entry point runs our own server (the real server: tests/lane_sglang)."""
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_core.config.availability import hardware_notes
+from miles_core.config.resolve import resolve_config
+from miles_core.engine.factory import create_engine
+from miles_core.engine.request import RolloutRequest
+from miles_core.engine.sglang import SERVE_MODULE, SglangEngine, SglangEngineError, check_python, serve_command, server_args
+from miles_core.training.run import RunError
+
+
+def config_for(tiny_sd3, *extra):
+    return resolve_config([
+        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
+        "--n-samples-per-prompt", "2", "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2",
+        "--diffusion-height", "32", "--diffusion-width", "32", "--rollout-engine", "sglang", *extra,
+    ])
+
+
+def script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+FAKE_MAIN = """
+import json, os, sys
+from miles_core.cli.serve_engine import run
+
+argv = sys.argv[1:]
+with open(os.environ["FAKE_SGLANG_RECORD"] + f".{os.getpid()}", "w") as f:
+    json.dump(argv, f)
+assert argv[0] == "serve"
+value = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+sys.exit(run(["--hf-checkpoint", value["--model-path"], "--diffusion-model-family", "sd3", "--device", "cpu",
+              "--host", value["--host"], "--port", value["--port"]]))
+"""
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    """A Python whose ``sglang.multimodal_gen...cli.main serve`` runs ``miles-core serve-engine``."""
+    root = tmp_path / "fake"
+    package = root / "sglang" / "multimodal_gen" / "runtime" / "entrypoints" / "cli"
+    package.mkdir(parents=True)
+    for folder in [package, *package.parents]:
+        if folder == root:
+            break
+        (folder / "__init__.py").write_text("")
+    (package / "main.py").write_text(textwrap.dedent(FAKE_MAIN))
+    record = tmp_path / "argv"
+    python = script(tmp_path / "python", f'PYTHONPATH="{root}" FAKE_SGLANG_RECORD="{record}" exec "{sys.executable}" "$@"')
+    return python, record
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+@pytest.mark.exercises("--sglang-python")
+def test_pass_through_args_lose_their_prefix_and_keep_their_values(tiny_sd3):
+    config = config_for(tiny_sd3, "--sglang-python", "/opt/sg/bin/python", "--sglang-attention-backend", "torch_sdpa",
+                        "--sglang-num-gpus", "1", "--sglang-dit-cpu-offload=false", "--sglang-enable-torch-compile")
+    assert config.sglang_python == "/opt/sg/bin/python"
+    assert config.sglang_args == ["--sglang-attention-backend", "torch_sdpa", "--sglang-num-gpus", "1",
+                                  "--sglang-dit-cpu-offload=false", "--sglang-enable-torch-compile"]
+    command = serve_command(config.sglang_python, config.hf_checkpoint, 31234, config.sglang_args)
+    assert command == [
+        "/opt/sg/bin/python", "-m", SERVE_MODULE, "serve", "--model-path", str(tiny_sd3), "--host", "127.0.0.1",
+        "--port", "31234", "--attention-backend", "torch_sdpa", "--num-gpus", "1", "--dit-cpu-offload=false",
+        "--enable-torch-compile",
+    ]
+    # --sglang-server-concurrency is ours (the client's cap), never passed through.
+    assert "--sglang-server-concurrency" not in config_for(tiny_sd3, "--sglang-server-concurrency", "4").sglang_args
+
+
+@pytest.mark.parametrize("arg", ["--sglang-model-path", "--sglang-host", "--sglang-port=3000"])
+def test_framework_set_server_args_are_refused(arg):
+    with pytest.raises(SglangEngineError, match=r"^--sglang-(model-path|host|port): the run sets --(model-path|host|port) "):
+        server_args(["--sglang-num-gpus", "1", arg, *([] if "=" in arg else ["x"])])
+
+
+def test_availability_note_only_without_the_sglang_engine(tiny_sd3):
+    with_sglang = config_for(tiny_sd3, "--sglang-attention-backend", "torch_sdpa")
+    assert not any("--sglang-* arguments" in note for note in hardware_notes(with_sglang))
+    embedded = config_for(tiny_sd3, "--sglang-attention-backend", "torch_sdpa", "--rollout-engine", "embedded")
+    assert any("--sglang-* arguments" in note for note in hardware_notes(embedded))
+
+
+# -- the environment checks --------------------------------------------------------------------
+
+
+def test_missing_sglang_python_is_one_line(tiny_sd3):
+    with pytest.raises(RunError, match=r"^--rollout-engine sglang needs --sglang-python PATH") as info:
+        create_engine(config_for(tiny_sd3))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.exercises("--sglang-python")
+def test_nonexistent_sglang_python(tiny_sd3, tmp_path):
+    missing = tmp_path / "nowhere" / "python"
+    with pytest.raises(SglangEngineError, match=rf"^--sglang-python {missing}: no such file$"):
+        create_engine(config_for(tiny_sd3, "--sglang-python", str(missing)))
+
+
+def test_sglang_python_that_is_not_executable(tmp_path):
+    plain = tmp_path / "python"
+    plain.write_text("not a program")
+    with pytest.raises(SglangEngineError, match=r": not an executable file$"):
+        check_python(str(plain))
+    with pytest.raises(SglangEngineError, match=r": not an executable file$"):
+        check_python(str(tmp_path))
+
+
+def test_sglang_python_that_cannot_import_sglang(tmp_path):
+    broken = script(tmp_path / "python", 'echo "ModuleNotFoundError: No module named \'sglang\'" >&2; exit 1')
+    with pytest.raises(SglangEngineError, match=r"cannot import sglang.multimodal_gen: ModuleNotFoundError: No module named 'sglang'$"):
+        check_python(str(broken))
+    real_without_sglang = sys.executable  # the project's Python has no sglang
+    with pytest.raises(SglangEngineError, match=r"cannot import sglang.multimodal_gen: ModuleNotFoundError"):
+        check_python(real_without_sglang)
+
+
+def test_sglang_python_that_hangs_times_out(tmp_path):
+    slow = script(tmp_path / "python", "sleep 30")
+    with pytest.raises(SglangEngineError, match=r"'import sglang.multimodal_gen' took over 0.5 s$"):
+        check_python(str(slow), timeout=0.5)
+
+
+def test_server_that_dies_names_its_log(tmp_path, tiny_sd3):
+    dying = script(tmp_path / "python", 'case "$2" in sglang.*) echo "boom: no GPU" ; exit 3 ;; esac; exit 0')
+    with pytest.raises(SglangEngineError, match=r"server 0 exited with status 3 before it was healthy; see .*engine-0.log$") as info:
+        SglangEngine.launch(str(dying), str(tiny_sd3), [], 1, tmp_path / "work", timeout=30)
+    assert "boom: no GPU" in Path(str(info.value).rsplit("see ", 1)[1]).read_text()
+
+
+def test_server_that_never_gets_healthy_times_out(tmp_path, tiny_sd3):
+    idle = script(tmp_path / "python", "exec sleep 60")
+    with pytest.raises(SglangEngineError, match=r"not healthy after 1 s; see .*engine-0.log$"):
+        SglangEngine.launch(str(idle), str(tiny_sd3), [], 1, tmp_path / "work", timeout=1)
+
+
+# -- launch, generate, weight sync through the disk, shutdown ------------------------------------
+
+
+@pytest.mark.exercises("--rollout-num-engines", "--sglang-python")
+def test_launches_servers_generates_syncs_from_disk_and_stops(tiny_sd3, tmp_path, fake_sglang):
+    from miles_core.model_loading import load_family
+    from miles_core.training.weight_sync import WeightSyncError, sync_to_engine
+
+    python, record = fake_sglang
+    out = tmp_path / "run"
+    config = config_for(tiny_sd3, "--sglang-python", str(python), "--rollout-num-engines", "2",
+                        "--sglang-attention-backend", "torch_sdpa", "--output-dir", str(out))
+    engine = create_engine(config)
+    try:
+        assert isinstance(engine, SglangEngine) and len(set(engine.urls)) == 2
+        argvs = [json.loads(p.read_text()) for p in tmp_path.glob("argv.*")]
+        assert len(argvs) == 2
+        for argv in argvs:
+            assert argv[:3] == ["serve", "--model-path", str(tiny_sd3)]
+            assert argv[-2:] == ["--attention-backend", "torch_sdpa"]
+        request = RolloutRequest(prompt="a red cube", seed=7, width=32, height=32, num_inference_steps=3,
+                                 num_outputs_per_prompt=2)
+
+        async def go():
+            first = await engine.generate(request)
+            family = load_family(config)
+            module = family.components()["transformer"]
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(0.01)
+            synced = await sync_to_engine(engine, {"transformer": module}, config)
+            second = await engine.generate(request)
+            synced_again = await sync_to_engine(engine, {"transformer": module}, config)
+            await engine.close()
+            return first, second, synced, synced_again
+
+        first, second, synced, synced_again = asyncio.run(go())
+        assert len(first) == 2 and not torch.equal(first[0].generated_output, second[0].generated_output)
+        assert synced.checksums == synced_again.checksums
+        syncs = sorted((out / "sglang" / "weight-sync").iterdir())
+        assert [p.name for p in syncs] == ["sync-00000", "sync-00001"]
+        assert (syncs[0] / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+        assert (syncs[0] / "transformer" / "config.json").is_file()
+        assert WeightSyncError  # the checksum check passed for both servers
+        assert all(p.poll() is not None for p in engine.processes)
+        assert (out / "sglang" / "logs" / "engine-1.log").is_file()
+    finally:
+        engine.stop_servers() if isinstance(engine, SglangEngine) else None
+
+
+def test_lora_only_sync_is_refused(tmp_path):
+    engine = SglangEngine(["http://127.0.0.1:1"], [], [], tmp_path)
+    with pytest.raises(SglangEngineError, match="--lora-ipc-weight-sync does not apply to --rollout-engine sglang"):
+        asyncio.run(engine.update_weights_from_tensors("transformer", {}, buffer_size=1, lora_only=True))
+    assert os.listdir(tmp_path) == []
+
+
+def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
+    """sglang-diffusion 0.5.23 labels every output with the request seed, sends no
+    trajectory step_indices, null image_kwargs / guidance and batched conditioning."""
+    from miles_core.engine.http import HttpEngine
+    from miles_core.engine.request import RolloutOutput
+
+    def record():
+        return RolloutOutput(
+            request_id="r", prompt="p", seed=5, generated_output=torch.zeros(3, 8, 8),
+            dit_trajectory={"latents": torch.zeros(2, 4, 1, 1), "timesteps": torch.zeros(4), "sigmas": torch.zeros(5)},
+            denoising_env={"image_kwargs": None, "guidance": None,
+                           "pos_cond_kwargs": {"pooled_projections": torch.ones(1, 32)}, "neg_cond_kwargs": None},
+        )
+
+    async def fake_generate(self, request):
+        return [record(), record()]
+
+    monkeypatch.setattr(HttpEngine, "generate", fake_generate)
+    engine = SglangEngine(["http://127.0.0.1:1"], [], [], tmp_path)
+    request = RolloutRequest(prompt="p", seed=5, width=32, height=48, num_inference_steps=4, num_outputs_per_prompt=2,
+                             guidance_scale=3.5, rollout_return_step_indices=(3, 1))
+    outputs = asyncio.run(engine.generate(request))
+    assert [o.seed for o in outputs] == [5, 6]
+    assert outputs[0].dit_trajectory["step_indices"].tolist() == [1, 3]
+    env = outputs[0].denoising_env
+    assert env["image_kwargs"] == {"height": 48, "width": 32} and env["guidance"] == {"guidance_scale": 3.5}
+    assert env["pos_cond_kwargs"]["pooled_projections"].shape == (32,)
+    wrong = RolloutRequest(prompt="p", seed=5, num_inference_steps=4, num_outputs_per_prompt=2)
+    with pytest.raises(SglangEngineError, match="returned 2 trajectory latents without step_indices; expected 5"):
+        asyncio.run(engine.generate(wrong))
