@@ -184,7 +184,7 @@ def test_wandb_identity_flags_reach_the_wandb_run(wandb_home):
     pytest.importorskip("wandb")
     from miles_core.cli.config_command import config_document
     from miles_core.training.metrics_logging import WandbLogger
-    from tests.test_run_features import items, wandb_records
+    from tests.test_run_features import items, settled_wandb_records
 
     key = "k" * 40
 
@@ -198,7 +198,8 @@ def test_wandb_identity_flags_reach_the_wandb_run(wandb_home):
         logger.finish()
         (run_dir,) = (directory / "wandb").glob("offline-run-*")
         (log_file,) = run_dir.glob("run-*.wandb")
-        (record,) = [r.run for r in wandb_records(log_file) if r.WhichOneof("record_type") == "run"]
+        records = [r.run for r in settled_wandb_records(log_file, "run") if r.WhichOneof("record_type") == "run"]
+        (record,) = records
         return seen, run_dir, record
 
     seen, run_dir, record = logged(

@@ -9,6 +9,7 @@ import io
 import json
 import shutil
 import struct
+import time
 import sys
 from pathlib import Path
 
@@ -37,6 +38,22 @@ def train_metrics(records):
 
 
 # -- W&B ------------------------------------------------------------------------------------
+
+
+def settled_wandb_records(path: Path, kind: str, timeout: float = 60.0) -> list:
+    """:func:`wandb_records` once the log holds a record of ``kind``: W&B's service process
+    may still be writing it after ``finish()`` returns on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except Exception:  # a log cut mid-record while it is written
+            if time.monotonic() > deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == kind for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
 
 
 def wandb_records(path: Path):
@@ -92,7 +109,7 @@ def test_wandb_offline_run_logs_scalars_step_series_and_images(tiny_sd3, prompts
     (run_dir,) = (wandb_env / "wandb").glob("offline-run-*")
     (log_file,) = run_dir.glob("run-*.wandb")
     history, summary, run_record = [], {}, None
-    for record in wandb_records(log_file):
+    for record in settled_wandb_records(log_file, "summary"):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(items(record.history.item))
