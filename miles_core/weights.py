@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -67,9 +67,14 @@ class WeightUpdateError(ValueError):
     """An update that does not fit the module (unknown name, wrong shape or dtype)."""
 
 
-def load_named_tensors(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, module_name: str) -> int:
+def load_named_tensors(
+    module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, module_name: str,
+    place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> int:
     """Copy ``tensors`` into the module's parameters of the same names, in place.
-    Every name must exist with the same shape; returns the number of tensors copied."""
+    Every name must exist with the same (full) shape; returns the number of tensors
+    copied. ``place(tensor, parameter)`` makes what is copied (default: the tensor on the
+    parameter's device and dtype; FSDP2 passes one that keeps this rank's shard)."""
     parameters = dict(module.named_parameters())
     for name, tensor in tensors.items():
         target = parameters.get(name)
@@ -81,7 +86,8 @@ def load_named_tensors(module: torch.nn.Module, tensors: Mapping[str, torch.Tens
             )
     with torch.no_grad():
         for name, tensor in tensors.items():
-            parameters[name].copy_(tensor.to(device=parameters[name].device, dtype=parameters[name].dtype))
+            target = parameters[name]
+            target.copy_(place(tensor, target) if place is not None else tensor.to(device=target.device, dtype=target.dtype))
     return len(tensors)
 
 

@@ -53,7 +53,7 @@ fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned: its CPU build lies on this machine's disk.
 "${pip[@]}" install --quiet -c constraints.txt torch==2.13.0
-editable=(-e ".[test,wandb,video]")
+editable=(-e ".[test,wandb,video,ray]")
 for plugin in "${PLUGINS[@]}"; do editable+=(-e "$plugin"); done
 "${pip[@]}" install --quiet -c constraints.txt "${editable[@]}"
 echo "$digest" > "$stamp"

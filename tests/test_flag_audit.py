@@ -119,15 +119,19 @@ def test_unavailable_flag_at_its_default_given_explicitly_is_accepted():
     assert training_errors(config) == []
 
 
-@pytest.mark.exercises("--actor-num-nodes", "--actor-num-gpus-per-node")
-def test_several_training_ranks_stop_a_run_with_the_fix():
+@pytest.mark.exercises("--actor-num-nodes", "--actor-num-gpus-per-node", "--use-ray", "--ray-address")
+def test_several_training_ranks_need_ray():
     config = resolve_config([*BASE, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1"])
     assert config.world_size == 2 and config.data_parallel_size == 2
     assert training_errors(config) == [
-        "--actor-num-nodes 2 x --actor-num-gpus-per-node 1 = world size 2: training across several ranks (FSDP2 "
-        "data parallelism) is not in this version; pass --actor-num-gpus-per-node 1 to train in one process"
+        "--actor-num-nodes 2 x --actor-num-gpus-per-node 1 = world size 2: several training ranks run as Ray actors; "
+        "add --use-ray (or --ray-address), or pass --actor-num-gpus-per-node 1 to train in one process"
     ]
     assert training_errors(resolve_config([*BASE, "--actor-num-gpus-per-node", "1"])) == []
+    assert training_errors(resolve_config([*BASE, "--actor-num-nodes", "2", "--use-ray"])) == []
+    # A cluster address means running on it.
+    config = resolve_config([*BASE, "--actor-num-nodes", "2", "--ray-address", "auto"])
+    assert config.use_ray is True and training_errors(config) == []
 
 
 def test_sglang_pass_through_arguments_are_noted_without_an_sglang_engine():
@@ -142,10 +146,10 @@ def test_sglang_pass_through_arguments_are_noted_without_an_sglang_engine():
 def test_train_refuses_an_unavailable_flag_with_one_line(tmp_path, capsys):
     from miles_core.cli.main import main
 
-    code = main(["train", *BASE, "--use-fault-tolerance", "--output-dir", str(tmp_path / "run")])
+    code = main(["train", *BASE, "--use-miles-router", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2
-    assert "miles-core train: error: --use-fault-tolerance: engine fleets with routing and fault tolerance" in err
+    assert "miles-core train: error: --use-miles-router: the miles router (a separate routing process) is not" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -230,9 +234,13 @@ def test_settings_without_their_feature_are_noted(tmp_path):
     assert resolve_config([*BASE, "--eval-prompt-data", "held", str(data), "--eval-interval", "1"]).notes == []
     bf16 = resolve_config([*BASE, "--diffusion-forward-dtype", "bf16"])
     assert bf16.notes == [
-        "--diffusion-forward-dtype bf16: the trained parameters and the optimizer state are in that dtype too in this "
-        "version (fp32 master weights, --fsdp-master-dtype, come with the FSDP2 trainer)"
+        "--diffusion-forward-dtype bf16: the trained parameters and the optimizer state are in that dtype too in a "
+        "one-rank run (fp32 master weights, --fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with "
+        "world size > 1)"
     ]
+    # With several ranks the master weights are kept in --fsdp-master-dtype: nothing to note.
+    assert resolve_config([*BASE, "--diffusion-forward-dtype", "bf16", "--use-ray", "--actor-num-gpus-per-node", "2"]
+                          ).notes == []
 
 
 @pytest.mark.exercises("--debug-rollout-only", "--diffusion-debug-mode", "--dump-details", "--save-debug-train-data",

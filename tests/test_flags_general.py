@@ -50,11 +50,11 @@ def test_nodes_times_gpus_per_node_is_the_train_world_size():
     assert errors_of(*SD35, "--rollout-batch-size", "3", "--actor-num-nodes", "2") == [
         "--global-batch-size 3 must be divisible by the data-parallel size 2"
     ]
-    # Several ranks are refused for training (one line, with the way out).
+    # Several ranks are Ray actors: without --use-ray, one line with the ways out.
     c = resolve(*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2", "--actor-num-nodes", "2")
     assert training_errors(c) == [
-        "--actor-num-nodes 2 x --actor-num-gpus-per-node 1 = world size 2: training across several ranks "
-        "(FSDP2 data parallelism) is not in this version; pass --actor-num-gpus-per-node 1 to train in one process"
+        "--actor-num-nodes 2 x --actor-num-gpus-per-node 1 = world size 2: several training ranks run as Ray actors; "
+        "add --use-ray (or --ray-address), or pass --actor-num-gpus-per-node 1 to train in one process"
     ]
     assert errors_of(*SD35, "--rollout-batch-size", "1", "--actor-num-nodes", "-1") == ["--actor-num-nodes -1: must be at least 1"]
     assert errors_of(*SD35, "--rollout-batch-size", "1", "--actor-num-gpus-per-node", "two") == [

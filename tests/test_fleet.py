@@ -6,6 +6,7 @@ stopped when the run ends, and one-line errors naming an engine's log."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,8 @@ def test_an_engine_that_fails_to_start_names_its_log(tmp_path):
         EngineFleet.start(tmp_path / "no-such-model", 2, tmp_path / "logs", "--diffusion-model-family", "sd3",
                           "--device", "cpu", timeout=60)
     message = str(info.value)
-    assert "\n" not in message and "engine_0.log" in message and "before it was healthy" in message
+    # Whichever of the two exits first is named (both fail the same way).
+    assert "\n" not in message and re.search(r"engine_[01]\.log", message) and "before it was healthy" in message
     assert str(tmp_path / "logs") in message
 
 

@@ -216,7 +216,8 @@ def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
     def record():
         return RolloutOutput(
             request_id="r", prompt="p", seed=5, generated_output=torch.zeros(3, 8, 8),
-            dit_trajectory={"latents": torch.zeros(2, 4, 1, 1), "timesteps": torch.zeros(4), "sigmas": torch.zeros(5)},
+            dit_trajectory={"latents": torch.zeros(2, 4, 1, 1), "timesteps": torch.tensor([602.0, 9.0]),
+                            "sigmas": torch.tensor([1.0, 0.602, 0.3, 0.009, 0.0])},
             denoising_env={"image_kwargs": None, "guidance": None,
                            "pos_cond_kwargs": {"pooled_projections": torch.ones(1, 32)}, "neg_cond_kwargs": None},
         )
@@ -231,9 +232,35 @@ def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
     outputs = asyncio.run(engine.generate(request))
     assert [o.seed for o in outputs] == [5, 6]
     assert outputs[0].dit_trajectory["step_indices"].tolist() == [1, 3]
+    # One timestep per returned latent becomes the [T] grid: steps 1 and 3 at their places.
+    assert outputs[0].dit_trajectory["timesteps"].tolist() == pytest.approx([1000.0, 602.0, 300.0, 9.0])
     env = outputs[0].denoising_env
     assert env["image_kwargs"] == {"height": 48, "width": 32} and env["guidance"] == {"guidance_scale": 3.5}
     assert env["pos_cond_kwargs"]["pooled_projections"].shape == (32,)
     wrong = RolloutRequest(prompt="p", seed=5, num_inference_steps=4, num_outputs_per_prompt=2)
     with pytest.raises(SglangEngineError, match="returned 2 trajectory latents without step_indices; expected 5"):
         asyncio.run(engine.generate(wrong))
+
+
+def test_sglang_timesteps_become_the_loop_grid():
+    """sglang-diffusion records one timestep per returned latent (steps 1, 2, 3 and the
+    final 4 here); the trainer reads step k's at index k of the [T] grid. Reading the
+    returned rows by step index put step 1 at step 2's timestep (the lane's drift)."""
+    from miles_core.engine.sglang import _timestep_grid
+
+    sigmas = torch.tensor([1.0, 0.8577, 0.6022, 0.00893, 0.0])
+    grid = sigmas[:4] * 1000
+    returned = torch.tensor([857.7, 602.2, 8.93, 0.0])
+    out = _timestep_grid(returned, sigmas, [1, 2, 3, 4], 4)
+    assert out.shape == (4,) and out[1:].tolist() == returned[:3].tolist()  # the server's values, where it sent them
+    assert torch.allclose(out, grid)
+    # A window that returned steps 0, 1, 2 and the final latent.
+    assert torch.allclose(_timestep_grid(torch.tensor([1000.0, 857.7, 602.2, 0.0]), sigmas, [0, 1, 2, 4], 4), grid)
+    # Only the final latent (ode_and_return_last): the flow-matching scale fills the grid.
+    assert torch.allclose(_timestep_grid(torch.tensor([0.0]), sigmas, [4], 4), grid)
+    # A family on the sigma scale (timestep = sigma) keeps its own scale.
+    assert torch.allclose(_timestep_grid(torch.tensor([0.8577, 0.0]), sigmas, [1, 4], 4), sigmas[:4])
+    with pytest.raises(SglangEngineError, match="not a fixed multiple of its sigmas"):
+        _timestep_grid(torch.tensor([857.7, 300.0, 0.0]), sigmas, [1, 2, 4], 4)
+    with pytest.raises(SglangEngineError, match="returned 3 trajectory timesteps for 4 latents"):
+        _timestep_grid(torch.tensor([857.7, 602.2, 0.0]), sigmas, [1, 2, 3, 4], 4)

@@ -36,9 +36,10 @@ def hardware_notes(config: Config) -> list[str]:
     pass-through arguments when no sglang-diffusion engine is started."""
     gpus = visible_gpu_count()
     notes = []
+    placed = _placed_by_ray(config)
     for dest in config:
         flag = config.flag(dest)
-        if flag.hardware and _set_away_from_default(config, dest):
+        if flag.hardware and flag.name not in placed and _set_away_from_default(config, dest):
             why = (
                 "this run is a single process on a machine without GPUs"
                 if not gpus
@@ -62,13 +63,34 @@ def unavailable_errors(config: Config) -> list[str]:
         for dest in config
         if config.flag(dest).unavailable and _set_away_from_default(config, dest)
     ]
-    if config.world_size > 1:
+    if config.world_size > 1 and not config.get("use_ray"):
         errors.append(
             f"--actor-num-nodes {config.actor_num_nodes} x --actor-num-gpus-per-node {config.actor_num_gpus_per_node} "
-            f"= world size {config.world_size}: training across several ranks (FSDP2 data parallelism) is not in this "
-            "version; pass --actor-num-gpus-per-node 1 to train in one process"
+            f"= world size {config.world_size}: several training ranks run as Ray actors; add --use-ray (or "
+            "--ray-address), or pass --actor-num-gpus-per-node 1 to train in one process"
         )
     return errors
+
+
+RAY_PLACEMENT_FLAGS = ("--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--num-gpus-per-node", "--colocate",
+                       "--colocate-reward")
+"""Hardware-only flags that size the placement group of a ``--use-ray`` run (CPUs stand
+in for GPUs where there are none)."""
+
+DISTRIBUTED_FLAGS = ("--distributed-backend", "--distributed-timeout-minutes", "--dp-replicate-size",
+                     "--fsdp-reduce-dtype", "--fsdp-master-dtype")
+"""Hardware-only flags of the torch.distributed group, in effect with several training ranks."""
+
+
+def _placed_by_ray(config: Config) -> set[str]:
+    """The hardware-only flags this run reads: the placement flags under Ray, the
+    process-group flags with several ranks."""
+    placed: set[str] = set()
+    if config.get("use_ray"):
+        placed.update(RAY_PLACEMENT_FLAGS)
+        if config.world_size > 1:
+            placed.update(DISTRIBUTED_FLAGS)
+    return placed
 
 
 _LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_init_weights")
@@ -139,10 +161,11 @@ def inert_notes(config: Config) -> list[str]:
         if unused:
             notes.append(f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
                          f"{'they have' if len(unused) > 1 else 'it has'} no effect")
-    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32":
+    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32" \
+            and config.world_size == 1:
         notes.append(f"--diffusion-forward-dtype {config.get('diffusion_forward_dtype')}: the trained parameters and "
-                     "the optimizer state are in that dtype too in this version (fp32 master weights, "
-                     "--fsdp-master-dtype, come with the FSDP2 trainer)")
+                     "the optimizer state are in that dtype too in a one-rank run (fp32 master weights, "
+                     "--fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with world size > 1)")
     if config.get("diffusion_debug_mode") and loss in ("nft", "sft_loss"):
         notes.append(f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
                      "policy loss's recomputed log-probs with the engine's")
@@ -164,4 +187,31 @@ def inert_notes(config: Config) -> list[str]:
     if config.get("lora_ipc_weight_sync") and config.get("rollout_engine") == "embedded":
         notes.append("--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the "
                      "trained module, so no weights are sent")
+    notes.extend(_fault_tolerance_notes(config))
+    return notes
+
+
+_HEALTH_CHECK_SETTINGS = ("rollout_health_check_interval", "rollout_health_check_timeout",
+                          "rollout_health_check_first_wait", "miles_router_health_check_failure_threshold")
+
+
+def _fault_tolerance_notes(config: Config) -> list[str]:
+    """Health-check settings without ``--use-fault-tolerance``; fault tolerance, or a
+    request timeout, for an engine that has no servers (embedded) or does not apply them
+    (sglang)."""
+    notes = []
+    unused = [config.flag(dest).name for dest in _HEALTH_CHECK_SETTINGS if _set_away_from_default(config, dest)]
+    if unused and not config.get("use_fault_tolerance"):
+        notes.append(f"{', '.join(unused)}: the engine health checks run only under --use-fault-tolerance, so "
+                     f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+    engine = config.get("rollout_engine")
+    if engine == "embedded" and config.get("use_fault_tolerance"):
+        notes.append("--use-fault-tolerance has no effect with --rollout-engine embedded: the engine runs in the "
+                     "trainer's process, with no server to health-check or restart")
+    if engine == "sglang" and config.get("use_fault_tolerance"):
+        notes.append("--use-fault-tolerance has no effect with --rollout-engine sglang in this version: its servers "
+                     "are not health-checked or restarted (it works with --rollout-engine http)")
+    if engine in ("embedded", "sglang") and config.get("miles_router_timeout") is not None:
+        notes.append(f"{_shown(config, 'miles_router_timeout')}: no effect with --rollout-engine {engine} (it bounds "
+                     "the requests of --rollout-engine http)")
     return notes

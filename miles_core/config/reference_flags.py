@@ -52,6 +52,19 @@ _TABLE: tuple[Flag, ...] = (
        auto=True, metavar=_GPU_COUNT, reference_default="8", differs=_AUTO_GPUS),
     _f("cluster", "--colocate", "bool", False,
        "Run trainer and rollout on the same GPUs; required, since CUDA IPC weight sync only supports colocated execution."),
+    _f("cluster", "--use-ray", "bool", False,
+       "Not in the reference. Run the training ranks, the engine servers the run starts (--rollout-num-engines) and the "
+       "reward as Ray actors in one placement group sized by the cluster flags (CPUs stand in for GPUs on a machine "
+       "without them). Needed for a train world size above 1 (FSDP2 ranks). Starts a local Ray instance unless "
+       "--ray-address names a cluster.",
+       reference_default="(no such flag)",
+       differs="The reference always runs on Ray; here a one-process run is the default and Ray is opt-in "
+               "(pip install 'miles-core[ray]'), so a laptop run needs no Ray."),
+    _f("cluster", "--ray-address", "str", None,
+       "Not in the reference. Address of a running Ray cluster to run on (ray start --head; auto finds the local one); "
+       "implies --use-ray.",
+       metavar="ADDRESS", reference_default="(no such flag)",
+       differs="The reference joins the cluster its job was submitted to; here it is named explicitly."),
     _f("cluster", "--offload", "bool", False, "Shorthand for --offload-train plus --offload-rollout."),
     _f("cluster", "--offload-train", "tristate", None, "Offload the trainer while rollout runs; always on under --colocate."),
     _f("cluster", "--offload-rollout", "tristate", None, "Offload the rollout engine while training runs; always on under --colocate."),
@@ -199,9 +212,13 @@ _TABLE: tuple[Flag, ...] = (
     _f("rollout", "--use-distributed-post", "bool", False,
        "Send rollout HTTP POSTs through per-node Ray actors instead of the local client (MILES_HTTP_POST_ACTORS_PER_NODE sets the count)."),
     _f("rollout", "--use-miles-router", "bool", False, "Route requests through the miles router; required, the SGLang router is not supported."),
-    _f("rollout", "--miles-router-timeout", "float", None, "miles router request timeout, in seconds."),
+    _f("rollout", "--miles-router-timeout", "float", None,
+       "Seconds one /rollout/generate request to an http engine server may take (unset: no limit); a request past it "
+       "fails, or under --use-fault-tolerance takes its server down and is retried on another."),
     _f("rollout", "--miles-router-max-connections", "int", None, "miles router connection-pool limit."),
-    _f("rollout", "--miles-router-health-check-failure-threshold", "int", 3, "Failed health checks before the miles router drops an engine."),
+    _f("rollout", "--miles-router-health-check-failure-threshold", "int", 3,
+       "Failed health checks in a row before an engine is taken out of routing (and restarted when the run started "
+       "it); --use-fault-tolerance."),
     # ------------------------------------------------------------------ data and batching
     _f("data", "--prompt-data", "str", None, "Prompt dataset: jsonl, one row per prompt."),
     _f("data", "--input-key", "str", "input", "Key of the prompt text in each data row."),
@@ -378,10 +395,13 @@ _TABLE: tuple[Flag, ...] = (
     _f("logging", "--use-miles-dashboard", "bool", False, "Async phase/trajectory telemetry to the miles dashboard."),
     _f("logging", "--miles-dashboard-workspace", "str", "./miles_dashboard", "miles dashboard workspace directory."),
     # ------------------------------------------------------------------ fault tolerance
-    _f("fault_tolerance", "--use-fault-tolerance", "bool", False, "Restart dead rollout engines during rollout."),
+    _f("fault_tolerance", "--use-fault-tolerance", "bool", False,
+       "Health-check the http engine's servers; a dead or hung one is restarted (when the run started it) and re-synced "
+       "before it serves again, and its requests are retried on another with the same seeds."),
     _f("fault_tolerance", "--rollout-health-check-interval", "float", 30.0,
        "Seconds between engine health checks; raise it for video models, where a request can take minutes."),
-    _f("fault_tolerance", "--rollout-health-check-timeout", "float", 30.0, "Seconds before an engine health check fails."),
+    _f("fault_tolerance", "--rollout-health-check-timeout", "float", 30.0,
+       "Seconds before an engine health check (GET /health) fails."),
     _f("fault_tolerance", "--rollout-health-check-first-wait", "float", 0.0,
        "Grace period in seconds before the first health check (compilation/init)."),
     # ------------------------------------------------------------------ debugging
@@ -428,6 +448,9 @@ HARDWARE_ONLY: dict[str, str] = {
     "--sequence-parallel-size": "splits one sample's sequence across GPUs (Ulysses x ring attention).",
     "--ulysses-degree": "sets the Ulysses share of sequence parallelism.",
     "--fsdp-reduce-dtype": "sets the precision of the gradient reduce-scatter across data-parallel ranks.",
+    "--fsdp-master-dtype": "keeps the FSDP2-sharded trainable parameters (the master weights) and the optimizer state "
+                           "in this dtype while the forward runs in --diffusion-forward-dtype; a single-process "
+                           "trainer keeps them in the forward dtype.",
     "--fsdp-cpu-offload": "keeps FSDP2's parameters, gradients and optimizer state in CPU memory between uses on the GPU.",
     "--fsdp-cpu-backend": "names the process-group backend for the CPU-offloaded optimizer step.",
 }
@@ -435,22 +458,15 @@ HARDWARE_ONLY: dict[str, str] = {
 (several GPUs or ranks). Where that hardware is missing (a single process on a CPU-only
 machine), setting one is logged as a note; ``docs/cli.md`` lists them."""
 
-_LATER_FLEET = "engine fleets with routing and fault tolerance are not in this version (they come with multi-engine runs)"
+_LATER_FLEET = ("the miles router (a separate routing process) is not in this version: the http engine routes requests "
+                "itself, least busy server first, at most --sglang-server-concurrency in flight per server")
 
 UNAVAILABLE: dict[str, str] = {
-    "--fsdp-master-dtype": "separate master weights come with the FSDP2 trainer; this version keeps the trainable "
-                           "parameters and the optimizer state in --diffusion-forward-dtype (fp32 without GPUs)",
     "--use-distributed-post": "HTTP posts through per-node Ray actors need the Ray runtime, not in this version",
     "--rollout-patch-group": "numeric-parity patch groups patch sglang-diffusion's own code, which miles-core does not "
                              "modify; --rollout-engine sglang serves the stock server",
     "--use-miles-router": _LATER_FLEET,
-    "--miles-router-timeout": _LATER_FLEET,
     "--miles-router-max-connections": _LATER_FLEET,
-    "--miles-router-health-check-failure-threshold": _LATER_FLEET,
-    "--use-fault-tolerance": _LATER_FLEET,
-    "--rollout-health-check-interval": _LATER_FLEET,
-    "--rollout-health-check-timeout": _LATER_FLEET,
-    "--rollout-health-check-first-wait": _LATER_FLEET,
     "--sft-frame-stride": "video SFT rows come with the video model families, not in this version; image rows have no frames",
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
                              "use --use-wandb (offline mode works without a network) and metrics.jsonl",

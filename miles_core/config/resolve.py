@@ -466,6 +466,8 @@ class _Resolver:
         for dest, needed, message in requires:
             if v(dest) not in (None, False) and v(needed) in (None, False):
                 self.fail(message)
+        if v("ray_address") and not v("use_ray"):
+            self.config.set("use_ray", True, Source.DERIVED)  # a cluster address means running on it
         if v("eval_interval") is not None and not (v("eval_prompt_data") or v("eval_config")):
             self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config)")
         if v("eval_prompt_data") and len(v("eval_prompt_data")) % 2:
@@ -593,7 +595,7 @@ class _Resolver:
             "micro_batch_size", "diffusion_num_steps", "rollout_num_gpus_per_engine",
             "sglang_server_concurrency", "update_weight_buffer_size", "rollout_parser_num_workers",
             "lora_rank", "lora_alpha", "distributed_timeout_minutes", "diffusion_eval_num_steps",
-            "n_samples_per_eval_prompt", "eval_interval", "save_interval",
+            "n_samples_per_eval_prompt", "eval_interval", "save_interval", "miles_router_health_check_failure_threshold",
         ]
         for dest in positive:
             value = self.v(dest)
@@ -608,7 +610,7 @@ class _Resolver:
             if value is not None and value < 0:
                 self.fail(f"{self.name(dest)} {value}: must not be negative")
         for dest in ("diffusion_clip_range", "diffusion_adv_clip_max", "adam_eps", "rollout_health_check_interval",
-                     "rollout_health_check_timeout", "diffusion_nft_beta"):
+                     "rollout_health_check_timeout", "diffusion_nft_beta", "miles_router_timeout"):
             value = self.v(dest)
             if value is not None and value <= 0:
                 self.fail(f"{self.name(dest)} {value}: must be positive")

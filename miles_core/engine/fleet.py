@@ -2,7 +2,8 @@
 each a ``miles-core serve-engine`` subprocess of ``--hf-checkpoint`` on a free loopback
 port, with its stderr in a log file. :func:`start_engine` starts one and waits until it
 listens; :class:`EngineFleet` starts several at once, waits until each answers
-``GET /health`` with 200, and stops them all (SIGTERM, then SIGKILL after a timeout).
+``GET /health`` with 200, restarts one that died or hung (``--use-fault-tolerance``), and
+stops them all (SIGTERM, then SIGKILL after a timeout).
 
 Failures are :class:`FleetError` with a one-line message naming the engine's log file.
 Nothing here imports torch.
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -125,11 +127,31 @@ def start_engine(checkpoint: str | Path, *args: str, log_path: str | Path, timeo
     return engine
 
 
+def serve_arguments(config: Any) -> list[str]:
+    """The ``serve-engine`` arguments of a run's engines, but the device (each host's
+    own): the run's family, dtype and weight-update bucket size."""
+    args = ["--update-weight-buffer-size", str(config.update_weight_buffer_size)]
+    if config.diffusion_model_family:
+        args += ["--diffusion-model-family", config.diffusion_model_family]
+    if config.diffusion_forward_dtype in ("fp32", "bf16", "fp16"):
+        args += ["--dtype", config.diffusion_forward_dtype]
+    return args
+
+
 class EngineFleet:
     """``count`` serve-engine processes of one checkpoint, started together."""
 
-    def __init__(self, engines: Sequence[ServedEngine]) -> None:
+    def __init__(self, engines: Sequence[ServedEngine], *, checkpoint: str | Path | None = None,
+                 args: Sequence[str] = (), log_dir: str | Path | None = None, threads: int | None = None) -> None:
         self.engines = list(engines)
+        # How the engines were launched, so that restart() can launch one again.
+        self.checkpoint = checkpoint
+        self.args = list(args)
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.threads = threads
+        self.restarts = [0] * len(self.engines)
+        self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def urls(self) -> list[str]:
@@ -142,12 +164,13 @@ class EngineFleet:
         healthy; on any failure, stop those started and raise :class:`FleetError`."""
         if count < 1:
             raise ValueError(f"an engine fleet needs at least one engine, got {count}")
-        fleet = cls([])
+        fleet = cls([], checkpoint=checkpoint, args=args, log_dir=log_dir, threads=threads)
         try:
             for index in range(count):
                 fleet.engines.append(
                     launch_engine(checkpoint, *args, log_path=Path(log_dir) / f"engine_{index}.log", threads=threads)
                 )
+            fleet.restarts = [0] * count
             wait_for(fleet.engines, timeout, healthy=True)
         except BaseException:
             fleet.stop(timeout=5)
@@ -160,15 +183,40 @@ class EngineFleet:
         run's family, dtype and weight-update bucket size, on this machine's device."""
         from miles_core.model_loading import model_device
 
-        args = ["--device", model_device(), "--update-weight-buffer-size", str(config.update_weight_buffer_size)]
-        if config.diffusion_model_family:
-            args += ["--diffusion-model-family", config.diffusion_model_family]
-        if config.diffusion_forward_dtype in ("fp32", "bf16", "fp16"):
-            args += ["--dtype", config.diffusion_forward_dtype]
+        args = ["--device", model_device(), *serve_arguments(config)]
         return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args)
+
+    def restart(self, index: int, timeout: float = 300.0) -> str:
+        """Replace engine ``index``: SIGKILL it if it still runs (it is dead or hung: nothing
+        on it is worth a graceful stop), launch a new one with the same arguments (log
+        ``engine_<index>.restart<k>.log``, so the old log keeps what went wrong), wait until
+        it is healthy and return its URL. Blocking; :class:`FleetError` naming the new log
+        when it does not come up, or when the fleet is stopped meanwhile."""
+        if self.checkpoint is None or self.log_dir is None:
+            raise FleetError("this fleet was not started by EngineFleet.start: it cannot restart an engine")
+        old = self.engines[index]
+        if old.process.poll() is None:
+            old.process.kill()
+        old.process.wait(timeout=30)
+        with self._lock:  # stop() must not miss an engine launched while it runs
+            if self._stopped:
+                raise FleetError(f"engine server {old.url}: not restarted, the fleet is stopping")
+            self.restarts[index] += 1
+            log_path = self.log_dir / f"engine_{index}.restart{self.restarts[index]}.log"
+            engine = self.engines[index] = launch_engine(self.checkpoint, *self.args, log_path=log_path,
+                                                         threads=self.threads)
+        try:
+            wait_for([engine], timeout, healthy=True)
+        except BaseException:
+            engine.stop(timeout=5)
+            raise
+        assert engine.url is not None
+        return engine.url
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every engine, then wait; SIGKILL those still running after ``timeout`` s."""
+        with self._lock:
+            self._stopped = True
         for engine in self.engines:
             if engine.process.poll() is None:
                 engine.process.send_signal(signal.SIGTERM)
@@ -181,4 +229,4 @@ class EngineFleet:
                 engine.process.wait(timeout=10)
 
 
-__all__ = ["EngineFleet", "FleetError", "ServedEngine", "launch_engine", "start_engine", "wait_for"]
+__all__ = ["EngineFleet", "FleetError", "ServedEngine", "launch_engine", "serve_arguments", "start_engine", "wait_for"]

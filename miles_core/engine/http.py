@@ -6,7 +6,13 @@ chosen), at most ``max_concurrency`` at a time per URL (``--sglang-server-concur
 Response bodies (msgpack + safetensors) are decoded off the event loop, in a pool of
 ``decode_workers`` threads (``--rollout-parser-num-workers``). Weight updates and checksum requests go to
 every URL. A failed request raises :class:`EngineRequestError` naming the URL, the HTTP
-status and the server's message.
+status and the server's message; ``request_timeout`` (``--miles-router-timeout``) bounds
+each ``/rollout/generate`` request.
+
+With ``fault_tolerance`` (``--use-fault-tolerance``) a
+:class:`~miles_core.engine.health.Supervisor` health-checks the servers: a request whose
+server dies or hangs is retried, unchanged, on a healthy one; weight updates skip servers
+that are down (they are re-synced by ``prepare`` before they serve again).
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ import msgpack
 import torch
 
 from miles_core.engine.base import RolloutEngine
+from miles_core.engine.health import FaultTolerance, NoHealthyEngineError, Prepare, Restart, Supervisor
 from miles_core.engine.request import RolloutOutput, RolloutRequest
 from miles_core.engine.wire import WireError, unpack_outputs
 from miles_core.weights import bucket_to_bytes, iter_buckets
 
 DEFAULT_CONCURRENCY = 512
 """``--sglang-server-concurrency``'s default."""
+
+GENERATE = "/rollout/generate"
+_LOST = object()  # the answer of a server that went down during a weight request
 
 
 class EngineRequestError(RuntimeError):
@@ -55,6 +65,9 @@ class HttpEngine(RolloutEngine):
         request_timeout: float | None = None,
         connect_timeout: float = 30.0,
         decode_workers: int = 1,
+        fault_tolerance: FaultTolerance | None = None,
+        restart: Restart | None = None,
+        prepare: Prepare | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -71,7 +84,12 @@ class HttpEngine(RolloutEngine):
             raise ValueError(f"decode_workers must be at least 1, got {decode_workers}")
         self.decode_workers = decode_workers
         self._decoder: concurrent.futures.ThreadPoolExecutor | None = None
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+        self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         # Per URL slot (a URL may be listed twice: two routes to one server).
         self.in_flight = [0] * len(self.urls)
         self.sent = [0] * len(self.urls)
@@ -80,11 +98,27 @@ class HttpEngine(RolloutEngine):
         self._last_pick = [-1] * len(self.urls)
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.supervisor: Supervisor | None = None
+        """The slot states and health checks under fault tolerance (None without)."""
+        if fault_tolerance is not None:
+            # It shares self.urls: a restart puts the new URL in the slot.
+            self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart,
+                                         prepare=prepare)
+        elif restart is not None or prepare is not None:
+            raise ValueError("restart and prepare go with fault_tolerance")
 
     @classmethod
     def from_config(cls, config: Any) -> HttpEngine:
         return cls(config.rollout_engine_urls, max_concurrency=config.sglang_server_concurrency,
-                   decode_workers=config.rollout_parser_num_workers or 1)
+                   decode_workers=config.rollout_parser_num_workers or 1,
+                   request_timeout=getattr(config, "miles_router_timeout", None),
+                   fault_tolerance=FaultTolerance.from_config(config))
+
+    def view(self, url: str) -> HttpEngine:
+        """A plain engine over ``url`` alone, with this one's limits and no fault
+        tolerance: a restarted server is re-synced through it before it rejoins."""
+        return HttpEngine([url], max_concurrency=self.max_concurrency, request_timeout=self.request_timeout,
+                          connect_timeout=self.connect_timeout)
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -95,24 +129,33 @@ class HttpEngine(RolloutEngine):
             self._loop = loop
             self._session = None
             self._semaphores = [asyncio.Semaphore(self.max_concurrency) for _ in self.urls]
+            if self.supervisor is not None:
+                self.supervisor.reset()
         if self._session is None or self._session.closed:
             # The semaphores bound concurrency; the connector must not add a lower cap.
             connector = aiohttp.TCPConnector(limit=0)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
-    def _pick(self) -> int:
-        index = min(range(len(self.urls)), key=lambda i: (self.in_flight[i], self._last_pick[i]))
+    def _pick(self, candidates: Sequence[int] | None = None) -> int:
+        choices = range(len(self.urls)) if candidates is None else candidates
+        index = min(choices, key=lambda i: (self.in_flight[i], self._last_pick[i]))
         self._last_pick[index] = next(self._tick)
         return index
 
     async def _post(self, url: str, path: str, *, json_body: Any = None, data: bytes | None = None,
-                    content_type: str | None = None) -> tuple[int, bytes, str]:
+                    content_type: str | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes, str]:
         headers = {"Content-Type": content_type} if content_type else None
         try:
-            async with self._client().post(url + path, json=json_body, data=data, headers=headers) as response:
+            async with self._client().post(url + path, json=json_body, data=data, headers=headers,
+                                           timeout=timeout or self.timeout) as response:
                 return response.status, await response.read(), response.content_type
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except asyncio.TimeoutError as exc:
+            limit = (timeout or self.timeout).total
+            detail = str(exc) or (f"no complete answer within {limit:g} s" if limit else "timed out")
+            raise EngineRequestError(url + path, None, f"TimeoutError: {detail}") from exc
+        except aiohttp.ClientError as exc:
             raise EngineRequestError(url + path, None, f"{type(exc).__name__}: {exc}") from exc
 
     @staticmethod
@@ -132,35 +175,99 @@ class HttpEngine(RolloutEngine):
         if status != 200:
             raise EngineRequestError(url, status, self._message(body))
 
-    async def _post_json_all(self, path: str, body: Any) -> list[Any]:
+    async def _post_json_all(self, path: str, body: Any) -> dict[str, Any]:
+        """Each server's JSON answer by URL (servers that went down on the way left out)."""
         async def one(url: str) -> Any:
-            status, raw, _ = await self._post(url, path, json_body=body)
+            try:
+                status, raw, _ = await self._post(url, path, json_body=body)
+            except EngineRequestError as exc:
+                if self._lost(url, exc):
+                    return _LOST
+                raise
             self._check(url + path, status, raw)
             return json.loads(raw) if raw else None
 
-        return list(await asyncio.gather(*(one(url) for url in self._distinct_urls())))
+        urls = self._weight_urls()
+        answers = await asyncio.gather(*(one(url) for url in urls))
+        return {url: answer for url, answer in zip(urls, answers) if answer is not _LOST}
 
     def _distinct_urls(self) -> list[str]:
         return list(dict.fromkeys(self.urls))
+
+    def _weight_urls(self) -> list[str]:
+        """Where weight updates and checksum requests go: every server, or under fault
+        tolerance every healthy one (the others are re-synced before they serve again)."""
+        if self.supervisor is None:
+            return self._distinct_urls()
+        return list(dict.fromkeys(self.urls[i] for i in self.supervisor.healthy()))
+
+    def _lost(self, url: str, exc: EngineRequestError) -> bool:
+        """Under fault tolerance, a server that gives no answer is marked down (and
+        restarted or routed around): True. A server's own error answer is raised."""
+        if self.supervisor is None or exc.status is not None:
+            return False
+        self.supervisor.mark_down(url, f"a request got no answer: {exc.message}")
+        return True
 
     # -- the engine interface -------------------------------------------------------------
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         self._client()
-        index = self._pick()
+        supervisor = self.supervisor
+        if supervisor is None:
+            return await self._generate_at(self._pick(), request)
+        supervisor.start()
+        attempt = 0
+        while True:
+            try:
+                index = self._pick(await supervisor.wait_for_healthy())
+            except NoHealthyEngineError as exc:
+                raise EngineRequestError(", ".join(self._distinct_urls()), None, str(exc)) from None
+            url = self.urls[index]
+            if attempt:
+                supervisor.retries += 1
+            attempt += 1
+            try:
+                return await self._attempt(index, request, supervisor.down_signal(index))
+            except EngineRequestError as exc:
+                # An HTTP answer is the server's verdict on the request (a bad request, a
+                # model error): another server would give the same. Only silence is retried.
+                if exc.status is not None:
+                    raise
+                supervisor.mark_down(url, f"a request got no answer: {exc.message}")
+                if attempt >= supervisor.settings.max_attempts:
+                    raise
+
+    async def _attempt(self, index: int, request: RolloutRequest, down: asyncio.Future) -> list[RolloutOutput]:
+        """:meth:`_generate_at` on slot ``index``, given up when the slot goes down (a hung
+        server never answers: the health checks are what notice it)."""
+        url = self.urls[index]
+        attempt = asyncio.ensure_future(self._generate_at(index, request))
+        try:
+            await asyncio.wait({attempt, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
+        if attempt.cancelled():
+            raise EngineRequestError(url + GENERATE, None, f"the engine went down during the request ({down.result()})")
+        return attempt.result()
+
+    async def _generate_at(self, index: int, request: RolloutRequest) -> list[RolloutOutput]:
         url = self.urls[index]
         self.in_flight[index] += 1
         try:
             async with self._semaphores[index]:
                 self.sent[index] += 1
-                status, raw, _ = await self._post(url, "/rollout/generate", json_body=request.to_json())
+                status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(),
+                                                  timeout=self._generate_timeout)
         finally:
             self.in_flight[index] -= 1
-        self._check(url + "/rollout/generate", status, raw)
+        self._check(url + GENERATE, status, raw)
         try:
             return await self._decode(raw)
         except WireError as exc:
-            raise EngineRequestError(url + "/rollout/generate", status, f"undecodable response: {exc}") from exc
+            raise EngineRequestError(url + GENERATE, status, f"undecodable response: {exc}") from exc
 
     async def _decode(self, raw: bytes) -> list[RolloutOutput]:
         """``unpack_outputs(raw)`` in the decoder thread pool."""
@@ -168,19 +275,19 @@ class HttpEngine(RolloutEngine):
             self._decoder = concurrent.futures.ThreadPoolExecutor(self.decode_workers, thread_name_prefix="rollout-decode")
         return await asyncio.get_running_loop().run_in_executor(self._decoder, unpack_outputs, raw)
 
+    async def _health_status(self, url: str, timeout: float) -> int | None:
+        """The status of ``GET url/health`` (None: no answer within ``timeout`` s)."""
+        try:
+            async with self._client().get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                await response.read()
+                return response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
     async def health(self) -> dict[str, int | None]:
         """The status of ``GET /health`` per URL (None: no answer)."""
-
-        async def one(url: str) -> int | None:
-            try:
-                async with self._client().get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                    await response.read()
-                    return response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return None
-
         urls = self._distinct_urls()
-        return dict(zip(urls, await asyncio.gather(*(one(url) for url in urls))))
+        return dict(zip(urls, await asyncio.gather(*(self._health_status(url, 10.0) for url in urls))))
 
     async def wait_until_healthy(self, timeout: float = 300.0, interval: float = 0.2) -> None:
         """Poll ``GET /health`` until every URL answers 200; ``TimeoutError`` after ``timeout`` s."""
@@ -204,10 +311,10 @@ class HttpEngine(RolloutEngine):
         if target_modules is not None:
             body["target_modules"] = list(target_modules)
         answers = await self._post_json_all("/update_weights_from_disk", body)
-        for url, answer in zip(self._distinct_urls(), answers):
+        for url, answer in answers.items():
             if isinstance(answer, dict) and answer.get("success") is False:
                 raise EngineRequestError(url + "/update_weights_from_disk", 200, str(answer.get("message")))
-        return dict(zip(self._distinct_urls(), answers))
+        return answers
 
     async def update_weights_from_tensors(
         self,
@@ -233,13 +340,18 @@ class HttpEngine(RolloutEngine):
                 if other:
                     raise ValueError(f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
             payload = await asyncio.to_thread(_bucket_payload, module_name, bucket, lora_only, lora_config)
-            await asyncio.gather(*(self._send_bucket(url, payload) for url in self._distinct_urls()))
+            await asyncio.gather(*(self._send_bucket(url, payload) for url in self._weight_urls()))
             count += len(bucket)
         return count
 
     async def _send_bucket(self, url: str, payload: bytes) -> None:
         path = "/update_weights_from_tensor"
-        status, raw, _ = await self._post(url, path, data=payload, content_type="application/msgpack")
+        try:
+            status, raw, _ = await self._post(url, path, data=payload, content_type="application/msgpack")
+        except EngineRequestError as exc:
+            if self._lost(url, exc):
+                return
+            raise
         self._check(url + path, status, raw)
 
     async def weights_checksums(self, module_names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
@@ -247,7 +359,7 @@ class HttpEngine(RolloutEngine):
         body = {"module_names": None if module_names is None else list(module_names)}
         answers = await self._post_json_all("/get_weights_checksum", body)
         result = {}
-        for url, answer in zip(self._distinct_urls(), answers):
+        for url, answer in answers.items():
             if not isinstance(answer, dict):
                 raise EngineRequestError(url + "/get_weights_checksum", 200, f"expected a JSON object, got {answer!r}")
             missing = [name for name, value in answer.items() if value == "not_found"]  # sglang-diffusion's answer
@@ -259,6 +371,8 @@ class HttpEngine(RolloutEngine):
     async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:
         """One SHA-256 per module; raises :class:`WeightsMismatchError` when servers disagree."""
         by_url = await self.weights_checksums(module_names)
+        if not by_url:
+            raise EngineRequestError(", ".join(self._distinct_urls()), None, "no healthy engine to ask for checksums")
         first_url, first = next(iter(by_url.items()))
         for url, answer in by_url.items():
             differing = sorted(name for name in set(first) | set(answer) if first.get(name) != answer.get(name))
@@ -267,6 +381,8 @@ class HttpEngine(RolloutEngine):
         return first
 
     async def close(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.close()
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
@@ -289,4 +405,4 @@ def _bucket_payload(module_name: str, bucket: Mapping[str, torch.Tensor], lora_o
     return msgpack.packb(body, use_bin_type=True)
 
 
-__all__ = ["DEFAULT_CONCURRENCY", "EngineRequestError", "HttpEngine", "WeightsMismatchError"]
+__all__ = ["DEFAULT_CONCURRENCY", "EngineRequestError", "FaultTolerance", "HttpEngine", "WeightsMismatchError"]

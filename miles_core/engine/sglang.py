@@ -191,7 +191,9 @@ class SglangEngine(HttpEngine):
         """As :meth:`HttpEngine.generate`. sglang-diffusion 0.5.23 draws output *i* from
         ``seed + i`` (the lane checks the first latents) but labels every record with the
         request's ``seed``; such records get their own seed back. Its ``dit_trajectory``
-        holds the requested steps' latents without ``step_indices``; they are added."""
+        holds the requested steps' latents without ``step_indices`` (they are added) and
+        one timestep per returned latent (rebuilt as our ``[T]`` loop grid, see
+        :func:`_timestep_grid`)."""
         outputs = await super().generate(request)
         if len(outputs) > 1 and all(output.seed == request.seed for output in outputs):
             for index, output in enumerate(outputs):
@@ -209,6 +211,9 @@ class SglangEngine(HttpEngine):
                     raise SglangEngineError(f"sglang-diffusion returned {rows} trajectory latents without step_indices; "
                                             f"expected {len(steps)} (steps {steps})")
                 trajectory["step_indices"] = torch.tensor(steps)
+                if "timesteps" in trajectory and "sigmas" in trajectory:
+                    trajectory["timesteps"] = _timestep_grid(trajectory["timesteps"], trajectory["sigmas"], steps,
+                                                             request.num_inference_steps)
         return outputs
 
     # -- weight sync through the disk ---------------------------------------------------
@@ -303,6 +308,33 @@ class SglangEngine(HttpEngine):
         await asyncio.to_thread(self.stop_servers)
         if self._owns_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+FLOW_MATCH_TRAIN_TIMESTEPS = 1000.0
+"""diffusers' flow-matching schedulers: ``timestep = sigma x num_train_timesteps``."""
+
+
+def _timestep_grid(returned: torch.Tensor, sigmas: torch.Tensor, steps: Sequence[int], total: int) -> torch.Tensor:
+    """Our ``dit_trajectory.timesteps`` (the ``[T]`` loop grid, the trainer reads step
+    ``k``'s at index ``k``) from sglang-diffusion's: it records one timestep per *returned*
+    latent (row ``j`` is step ``steps[j]``'s; the final latent's, step T, is dropped).
+    Steps it did not return get ``sigma_k x scale``, the scale read off the returned rows
+    (1000 for SD3's scheduler; diffusers' flow-matching default when no row tells)."""
+    returned = returned.reshape(-1)
+    if returned.shape[0] != len(steps):
+        raise SglangEngineError(f"sglang-diffusion returned {returned.shape[0]} trajectory timesteps for "
+                                f"{len(steps)} latents (steps {list(steps)})")
+    sigmas = sigmas.reshape(-1).to(torch.float64)
+    known = {step: returned[row] for row, step in enumerate(steps) if step < total}
+    ratios = [float(value) / float(sigmas[step]) for step, value in known.items() if float(sigmas[step]) > 0]
+    scale = ratios[0] if ratios else FLOW_MATCH_TRAIN_TIMESTEPS
+    if any(abs(ratio - scale) > 1e-4 * abs(scale) for ratio in ratios):
+        raise SglangEngineError(f"sglang-diffusion's trajectory timesteps are not a fixed multiple of its sigmas "
+                                f"(timestep / sigma = {', '.join(f'{r:g}' for r in ratios)})")
+    grid = (sigmas[:total] * scale).to(returned.dtype)
+    for step, value in known.items():
+        grid[step] = value  # the server's own value, bit for bit
+    return grid
 
 
 def _normalize_env(env: dict[str, Any] | None, request: RolloutRequest) -> None:

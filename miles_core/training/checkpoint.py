@@ -157,6 +157,25 @@ def optimizer_state_from_tensors(tensors: Mapping[str, torch.Tensor], structure:
     return _decode(dict(structure), tensors, Path("<optimizer state>"))
 
 
+def trainer_optimizer_state(trainer: Any) -> dict[str, Any]:
+    """The full, index-keyed optimizer state of ``trainer``: its ``optimizer_state()``
+    (gathered from the shards under FSDP2, a collective), or ``optimizer.state_dict()``
+    for a trainer-like object without one."""
+    method = getattr(trainer, "optimizer_state", None)
+    return method() if callable(method) else trainer.optimizer.state_dict()
+
+
+def load_trainer_optimizer_state(trainer: Any, state: Mapping[str, Any]) -> None:
+    """Load a full optimizer state saved at any world size into ``trainer``: its
+    ``load_optimizer_state`` (each rank keeps its shard under FSDP2), or
+    ``optimizer.load_state_dict`` for a trainer-like object without one."""
+    method = getattr(trainer, "load_optimizer_state", None)
+    if callable(method):
+        method(state)
+    else:
+        trainer.optimizer.load_state_dict(state)
+
+
 # ---------------------------------------------------------------------------- RNG
 
 
@@ -572,9 +591,11 @@ __all__ = [
     "iteration_dir",
     "latest_iteration",
     "load_checkpoint",
+    "load_trainer_optimizer_state",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
     "read_extra",
     "restore_rng",
     "save_checkpoint",
+    "trainer_optimizer_state",
 ]

@@ -14,6 +14,11 @@ rounded away in bf16. :meth:`EMA.swap_into` puts the EMA weights into the live
 parameters for a forward (``--ema-rollout-policy ema``, ``--ref-mode ema``) and restores
 the live ones bit for bit; unlike the reference's in-place exchange, the shadow itself is
 never touched by a swap, so it stays float32 and checkpointable throughout.
+
+Under FSDP2 the parameters are DTensors and the shadow is sharded like them (each rank
+updates its shard); :meth:`EMA.state_dict` gathers full CPU tensors and
+:meth:`EMA.load_state_dict` cuts each rank's shard from full ones, so an EMA saved at one
+world size loads at another (both are collectives there).
 """
 
 from __future__ import annotations
@@ -147,21 +152,45 @@ class EMA:
             self._swapped = False
 
     def state_dict(self) -> dict[str, Any]:
-        """The shadow (cloned, float32) and the last step, for checkpoints."""
+        """The shadow (cloned, float32) and the last step, for checkpoints. A shadow of
+        FSDP2-sharded parameters is sharded like them; its state holds the full CPU
+        tensors (collective: every rank must call it)."""
         return {
-            "shadow": {name: t.detach().clone() for name, t in self.shadow.items()},
+            "shadow": {name: _full(t) for name, t in self.shadow.items()},
             "last_step": self.last_step,
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; names and shapes must match this EMA's."""
+        """Restore from :meth:`state_dict`; names and shapes must match this EMA's. Full
+        tensors go into a sharded shadow shard by shard (each rank cuts its own)."""
         if "shadow" not in state:
             raise ValueError("EMA.load_state_dict: no 'shadow' entry in the state")
         loaded = self._matched(state["shadow"], "load_state_dict")
         for name, t in loaded.items():
-            self.shadow[name].copy_(t.to(device=self.shadow[name].device, dtype=torch.float32))
+            shadow = self.shadow[name]
+            value = t.to(device=shadow.device, dtype=torch.float32)
+            if _is_dtensor(shadow) and not _is_dtensor(value):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, shadow.device_mesh, shadow.placements, src_data_rank=None)
+            shadow.copy_(value)
         self.last_step = int(state.get("last_step", 0))
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # no torch.distributed in this build: nothing is sharded
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``tensor``; the full CPU tensor of a DTensor (collective)."""
+    if _is_dtensor(tensor):
+        return tensor.full_tensor().detach().to("cpu", copy=True)
+    return tensor.detach().clone()
 
 
 __all__ = ["EMA", "NamedParams", "ema_decay"]

@@ -112,7 +112,10 @@ class Evaluator:
         self.training_scorer = None if getattr(scorer, "evaluation", True) else scorer
         self.scorer = scorer if self.training_scorer is None else None
         if self.scorer is None:
-            self.scorer = RewardScorer(config, evaluation=True, share=self.training_scorer)
+            # A reward on a Ray worker (--use-ray) evaluates there too, with the same models.
+            sibling = getattr(self.training_scorer, "evaluation_scorer", None)
+            self.scorer = sibling() if sibling is not None else RewardScorer(
+                config, evaluation=True, share=self.training_scorer)
         pairs = list(config.eval_prompt_data or [])
         key = config.eval_input_key or config.input_key
         self.datasets: dict[str, list[PromptRecord]] = {

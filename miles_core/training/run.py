@@ -50,7 +50,9 @@ def _restore(config: Config, trainer: Any, data_source: Any = None) -> int | Non
     """Load ``--load`` (``--ckpt-step`` or the latest); return the first rollout to run,
     or None when there is nothing to resume from. A ``--data-source-path`` source gets
     back the state it had when the checkpoint was saved."""
-    from miles_core.training.checkpoint import CheckpointError, latest_iteration, load_checkpoint, restore_rng
+    from miles_core.training.checkpoint import (
+        CheckpointError, latest_iteration, load_checkpoint, load_trainer_optimizer_state, restore_rng,
+    )
 
     if not config.load:
         return None
@@ -71,7 +73,7 @@ def _restore(config: Config, trainer: Any, data_source: Any = None) -> int | Non
     except ValueError as exc:
         raise RunError(f"--load {checkpoint.path}: {exc}") from None
     if checkpoint.optimizer_state is not None and not config.no_load_optim:
-        trainer.optimizer.load_state_dict(checkpoint.optimizer_state)
+        load_trainer_optimizer_state(trainer, checkpoint.optimizer_state)
     trainer.optimizer_steps = int(checkpoint.extra.get("optimizer_steps", 0))
     if trainer.ema is not None:
         if "ema" not in checkpoint.extra:
@@ -79,6 +81,8 @@ def _restore(config: Config, trainer: Any, data_source: Any = None) -> int | Non
         trainer.ema.load_state_dict(checkpoint.extra["ema"])
     if not config.no_load_rng:
         restore_rng(checkpoint.rng_state)
+        if hasattr(trainer, "restore_rank_rng"):  # another world size (or none saved): ranks reseed from (seed, rank)
+            trainer.restore_rank_rng(checkpoint.extra.get("rank_rng"))
     if config.data_source_path and data_source is not None:
         if "data_source" not in checkpoint.extra:
             raise RunError(
@@ -90,7 +94,7 @@ def _restore(config: Config, trainer: Any, data_source: Any = None) -> int | Non
 
 
 def _save(config: Config, trainer: Any, rollout_id: int, data_source: Any = None, schedule: Any = None) -> None:
-    from miles_core.training.checkpoint import capture_rng, save_checkpoint
+    from miles_core.training.checkpoint import capture_rng, save_checkpoint, trainer_optimizer_state
     from miles_core.training.lr_schedule import SCHEDULE_KEY, schedule_state
 
     extra: dict[str, Any] = {} if schedule is None else {SCHEDULE_KEY: schedule_state(schedule)}
@@ -103,10 +107,13 @@ def _save(config: Config, trainer: Any, rollout_id: int, data_source: Any = None
                 f"values and tensors, got {type(state).__name__}"
             )
         extra["data_source"] = state
+    rank_rng = getattr(trainer, "rank_rng_states", None)
+    if rank_rng is not None:  # training ranks on Ray: each one's RNG, restored at the same world size
+        extra["rank_rng"] = rank_rng()
     save_checkpoint(
         Path(config.save), rollout_id,
         model_state=trainer.trainable_state(),
-        optimizer_state=None if config.no_save_optim else trainer.optimizer.state_dict(),
+        optimizer_state=None if config.no_save_optim else trainer_optimizer_state(trainer),
         rng_state=capture_rng(),
         extra={"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora),
                "loss_type": config.loss_type, **extra,
@@ -137,7 +144,37 @@ def _rollout_source(config: Config, records: list) -> Any:
 
 
 async def train(config: Config, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Path:
-    """Run the training loop; return the run directory."""
+    """Run the training loop; return the run directory. With ``--use-ray`` the training
+    ranks, the reward and the engine servers the run starts are Ray actors
+    (:mod:`miles_core.cluster`), released when the run ends."""
+    cluster = None
+    if config.get("use_ray"):
+        from miles_core.cluster.placement import PlacementError
+        from miles_core.cluster.runtime import ClusterError
+        from miles_core.cluster.session import RaySession
+
+        sft = config.loss_type == "sft_loss"
+        rolls_out = not (sft or config.train_only or config.load_debug_rollout_data)
+        try:
+            cluster = RaySession.start(
+                config, engines=(config.rollout_num_engines or 0) if rolls_out and _starts_fleet(config) else 0,
+                reward_worker=rolls_out, log=log,
+            )
+        except (ClusterError, PlacementError) as exc:
+            raise RunError(str(exc)) from None
+    try:
+        return await _train(config, log=log, cluster=cluster)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def _starts_fleet(config: Config) -> bool:
+    """``--rollout-engine http --rollout-num-engines N`` without URLs: the run starts its servers."""
+    return config.rollout_engine == "http" and not config.rollout_engine_urls and bool(config.get("rollout_num_engines"))
+
+
+async def _train(config: Config, *, log: Callable[[str], None], cluster: Any = None) -> Path:
     import yaml
 
     from miles_core.cli.config_command import config_document
@@ -180,14 +217,15 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     host = get_host()
     loss_fn = host.registries.loss.get(config.loss_type).load()
     # --rollout-num-engines: the run starts its engine servers once its output folder exists.
-    own_fleet = not (sft or config.train_only or replay) and config.rollout_engine == "http" \
-        and not config.rollout_engine_urls and bool(config.get("rollout_num_engines"))
+    own_fleet = not (sft or config.train_only or replay) and _starts_fleet(config)
     engine = None if sft or config.train_only or own_fleet else _engine(config)
     # The embedded engine shares its modules with the trainer; a remote one gets weight
     # syncs; with no engine (SFT, a replay) the trainer loads the family itself.
     family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
     try:  # the trainer's setup errors (attention backend, gradient checkpointing, hooks) are one line each
         trainer = Trainer(family, config, _backend(config), loss_fn)
+        if cluster is not None:  # the ranks train; this trainer becomes their mirror
+            trainer = cluster.wrap_trainer(trainer)
     except ValueError as exc:
         raise RunError(str(exc)) from None
     resumed = _restore(config, trainer, data_source)
@@ -202,13 +240,13 @@ async def train(config: Config, *, log: Callable[[str], None] = lambda line: pri
     progress = Progress()
     fleet = None
     if own_fleet:
-        engine, fleet = _start_fleet(config, out, log)
+        engine, fleet = _start_fleet(config, out, log, cluster)
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
         if sft:
             loop = _sft_rollouts(config, trainer, records, schedule.lr_at, start, total_rollouts, progress)
         else:
             loop = _rl_rollouts(config, engine, trainer, data_source, schedule.lr_at, start, total_rollouts, out, progress,
-                                log=log)
+                                log=log, scorer=cluster.reward_scorer() if cluster is not None else None)
         first: dict[str, Any] = {}
         logger = None
         failed = True
@@ -294,21 +332,36 @@ def _engine(config: Config) -> Any:
     return engine
 
 
-def _start_fleet(config: Config, out: Path, log: Callable[[str], None]) -> tuple[Any, Any]:
-    """Start ``--rollout-num-engines`` serve-engine servers (logs under ``out/engines``) and
-    an :class:`~miles_core.engine.http.HttpEngine` over them."""
+def _start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: Any = None) -> tuple[Any, Any]:
+    """Start ``--rollout-num-engines`` serve-engine servers (logs under ``out/engines``;
+    under ``--use-ray`` each on its Ray actor) and an
+    :class:`~miles_core.engine.http.HttpEngine` over them."""
     from miles_core.engine.fleet import EngineFleet, FleetError
-    from miles_core.engine.http import HttpEngine
+    from miles_core.engine.http import FaultTolerance, HttpEngine
 
+    try:
+        fault_tolerance = FaultTolerance.from_config(config)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
     log_dir = out / "engines"
     log(f"starting {config.rollout_num_engines} engine server(s) of {config.hf_checkpoint}, logs in {log_dir}")
     try:
-        fleet = EngineFleet.from_config(config, log_dir)
+        fleet = EngineFleet.from_config(config, log_dir) if cluster is None else cluster.engine_fleet(log_dir)
     except FleetError as exc:
         raise RunError(str(exc)) from None
     log(f"engine servers: {', '.join(fleet.urls)}")
-    engine = HttpEngine(fleet.urls, max_concurrency=config.sglang_server_concurrency,
-                        decode_workers=config.rollout_parser_num_workers or 1)
+
+    async def restart(index: int) -> str:  # --use-fault-tolerance: the run restarts the servers it started
+        return await asyncio.to_thread(fleet.restart, index)
+
+    try:
+        engine = HttpEngine(fleet.urls, max_concurrency=config.sglang_server_concurrency,
+                            decode_workers=config.rollout_parser_num_workers or 1,
+                            request_timeout=config.get("miles_router_timeout"), fault_tolerance=fault_tolerance,
+                            restart=restart if fault_tolerance is not None else None)
+    except ValueError as exc:
+        fleet.stop(timeout=5)
+        raise RunError(f"--miles-router-timeout: {exc}") from None
     return engine, fleet
 
 
@@ -323,34 +376,66 @@ def _backend(config: Config) -> Any:
 
 async def _rl_rollouts(
     config: Config, engine: Any, trainer: Any, data_source: Any, lr_at: Any, start: int, total: int, out: Path,
-    progress: Any = None, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    progress: Any = None, *, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr), scorer: Any = None,
 ):
     """Yield ``(metrics, samples)`` per rollout: generate (or replay) while scoring,
-    filter, train, sync."""
+    filter, train, sync. ``scorer``: the reward (default: a
+    :class:`~miles_core.training.rewards.RewardScorer` in this process)."""
     from miles_core.rollout.filters import RolloutFilters
     from miles_core.training.advantages import advantages_from_config
     from miles_core.training.debug_data import load_rollout_data, save_rollout_data, save_train_data
     from miles_core.training.evaluation import Evaluator, save_grid
     from miles_core.training.metrics_logging import Progress, custom_log_function
     from miles_core.training.rewards import reward_metrics as saved_reward_metrics
-    from miles_core.training.weight_sync import sync_to_engine
+    from miles_core.training.weight_sync import snapshot_weights, sync_to_engine
 
     progress = progress or Progress(enabled=False)
 
     replay = engine is None  # --load-debug-rollout-data: no engine, no sync, no eval
     remote = not replay and not isinstance(engine, EmbeddedEngine)
     policy_weights = _rollout_policy_weights(config, trainer)
+    # One sync at a time: a restarted engine's re-sync that overlapped a regular sync could
+    # miss the regular one (it goes to healthy engines only) and rejoin with old weights.
+    sync_lock = asyncio.Lock()
 
     async def sync_weights(pending: dict[str, float]) -> dict[str, float]:
         """Sync to a remote engine; a record's sync metrics add up the syncs since the last one."""
-        with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
-            synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
+        async with sync_lock:
+            with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
+                synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
         return {key: pending.get(key, 0) + value for key, value in synced.items()}
+
+    supervisor = getattr(engine, "supervisor", None) if remote else None  # --use-fault-tolerance
+    if supervisor is not None:
+        async def resync(url: str) -> None:
+            """A restarted (or re-admitted) engine gets the weights of the last sync, checksums
+            checked, before it serves again."""
+            async with sync_lock:
+                # Copied at once, inside the EMA swap: the re-sync runs in the background and
+                # the trainer may train (or swap) while it sends.
+                with policy_weights():
+                    weights = snapshot_weights(trainer.modules, config)
+                one = engine.view(url)
+                try:
+                    await sync_to_engine(one, weights, config)
+                finally:
+                    await one.close()
+
+        supervisor.prepare = resync
+        faults_seen = {"retries": 0, "restarts": 0}
+
+        def fault_metrics() -> dict[str, int]:
+            """Retries and restarts since the previous record (left out of the comparison of
+            a disturbed run with an undisturbed one: the only keys that differ, with perf/*)."""
+            counts = {"retries": supervisor.retries, "restarts": supervisor.restarts}
+            delta = {f"rollout/engine_{key}": counts[key] - faults_seen[key] for key in counts}
+            faults_seen.update(counts)
+            return delta
 
     # A remote engine starts from the trainer's weights (checkpoint, LoRA, or a resumed run's).
     pending_sync = await sync_weights({}) if remote else {}
     weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
-    rollouts = None if replay else _RolloutSource(config, engine, data_source, progress, total)
+    rollouts = None if replay else _RolloutSource(config, engine, data_source, progress, total, scorer)
     filters = RolloutFilters(config)
     log_rollout = custom_log_function(config)
     log_eval = custom_log_function(config, evaluation=True)
@@ -422,6 +507,8 @@ async def _rl_rollouts(
                 pending_sync = await sync_weights(pending_sync)
             metrics.update({"perf/weight_sync_time": 0.0, "perf/weight_sync_bytes": 0, **pending_sync})
             pending_sync = {}
+            if supervisor is not None:
+                metrics.update(fault_metrics())
         synced = time.perf_counter()
         rollout_metrics = {
             **reward_metrics,
@@ -471,7 +558,8 @@ class _RolloutSource:
     the checked samples of ``--rollout-function-path``) and starts scoring each
     microgroup as it returns; :meth:`score` waits for the scores."""
 
-    def __init__(self, config: Config, engine: Any, data_source: Any, progress: Any, total: int) -> None:
+    def __init__(self, config: Config, engine: Any, data_source: Any, progress: Any, total: int,
+                 scorer: Any = None) -> None:
         from miles_core.rollout.hooks import rollout_hook
         from miles_core.training.rewards import RewardScorer
 
@@ -480,7 +568,7 @@ class _RolloutSource:
         self.data_source = data_source
         self.progress = progress
         self.total = total
-        self.scorer = RewardScorer(config)
+        self.scorer = scorer if scorer is not None else RewardScorer(config)
         self.hook = rollout_hook(config)
         self.streaming = not getattr(config, "no_streaming_reward", False)
         self._pending: StreamingScores | None = None

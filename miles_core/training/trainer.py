@@ -12,13 +12,18 @@ Each optimizer step's samples are this data-parallel rank's share
 (``--train-dp-split-mode``, :mod:`miles_core.training.data_parallel`); the sample-to-pair
 conversion and the micro-batch preparation may be replaced by hooks
 (:mod:`miles_core.training.train_hooks`).
+
+With a data-parallel size above 1 in an initialized process group the trainable
+components are sharded with FSDP2 and training is collective (every rank is given the
+whole rollout); see :mod:`miles_core.training.fsdp` for the semantics and what every rank
+must call.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -62,7 +67,7 @@ class Trainer:
         self.family = family
         self.config = config
         self.dp_rank = dp_rank
-        """This process's data-parallel rank (of ``config.data_parallel_size``; 0 of 1 today)."""
+        """This process's data-parallel rank (of ``config.data_parallel_size``)."""
         # Hooks first: a bad path fails before any module is touched.
         self.pairs_from = pair_source(config, family)
         self.prepare = batch_preparer(config)
@@ -89,6 +94,17 @@ class Trainer:
             set_attention_backend(self.modules, config.fsdp_attention_backend)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.modules)
+        self.mesh: Any = None
+        """The FSDP2 device mesh when the trainable components are sharded (a data-parallel
+        size above 1 in an initialized process group, :mod:`miles_core.training.fsdp`)."""
+        self.dp_world = 1
+        """The ranks that share this trainer's gradients (the process group's size when sharded)."""
+        if config.data_parallel_size > 1:
+            from miles_core.training import fsdp
+
+            if fsdp.is_active():
+                self.mesh = fsdp.shard_modules(self.modules, config, family, dp_rank=dp_rank)
+                self.dp_world = int(config.data_parallel_size)
         self.parameters = [p for m in self.modules.values() for p in m.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("nothing to train: no parameter of the target modules requires a gradient")
@@ -118,6 +134,8 @@ class Trainer:
         NaN into the weights."""
         clip = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, clip)
+        if self.mesh is not None and hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()  # the global norm over every rank's shards
         if not torch.isfinite(norm):
             raise FloatingPointError(
                 f"non-finite gradient norm ({float(norm)}) at optimizer step {self.optimizer_steps}; "
@@ -129,11 +147,16 @@ class Trainer:
         """Backpropagate a micro-batch's share of the step's loss (not in the alignment
         probe) and add its metrics."""
         if not self.config.debug_skip_optimizer_step:
-            (loss * weight).backward()
+            if self.mesh is None:
+                (loss * weight).backward()
+            else:
+                # FSDP2 averages gradients over the ranks; ``weight`` is a share of the whole step.
+                (loss * (weight * self.dp_world)).backward()
         _accumulate(sums, loss, metrics, weight)
 
     def _end_step(self, sums: dict[str, float], per_step: dict[str, list[float]]) -> None:
         """Finish an optimizer step and record its metrics."""
+        sums = self._global_sums(sums)
         self._finish_step(sums, skip=self.config.debug_skip_optimizer_step)
         for key, value in sums.items():
             per_step[key].append(value)
@@ -147,6 +170,23 @@ class Trainer:
             self.optimizer_steps += 1
             self._after_optimizer_step()
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
+
+    def _global_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """The step's metric sums over every rank (collective when sharded; weights are
+        shares of the whole step, so the sum is the world-size-1 value)."""
+        if self.mesh is None:
+            return sums
+        from miles_core.training import fsdp
+
+        return fsdp.combine_sums(fsdp.all_gather_object(dict(sums)))
+
+    def _check_plans(self, plans: list[list[Any]], first_step: int) -> None:
+        """Under FSDP2, exchange this rank's micro-batch plan of the coming optimizer
+        steps and stop on a mismatch before any forward (collective)."""
+        if self.mesh is not None:
+            from miles_core.training import fsdp
+
+            fsdp.check_plans(fsdp.all_gather_object(plans), first_step=first_step)
 
     def named_trainable(self) -> dict[str, torch.Tensor]:
         """Trainable parameters as ``component.parameter`` names (EMA, checkpoints)."""
@@ -194,7 +234,15 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
 
     def trainable_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The weights training changes, per component (LoRA tensors, or everything)."""
+        """The weights training changes, per component (LoRA tensors, or everything):
+        full CPU tensors, gathered from the shards under FSDP2 (collective)."""
+        if self.mesh is not None:
+            from miles_core.training.fsdp import full_tensor
+
+            return {
+                name: {k: full_tensor(p) for k, p in module.named_parameters() if p.requires_grad}
+                for name, module in self.modules.items()
+            }
         return {
             name: {k: p.detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
             for name, module in self.modules.items()
@@ -213,7 +261,31 @@ class Trainer:
                     f"the checkpoint's {name} weights do not match this run's trainable parameters "
                     f"({len(state[name])} saved, {len(expected)} here): same --use-lora / LoRA settings?"
                 )
-            load_named_tensors(module, state[name], module_name=name)
+            if self.mesh is not None:
+                from miles_core.training.fsdp import load_full_tensors
+
+                load_full_tensors(module, state[name], module_name=name)
+            else:
+                load_named_tensors(module, state[name], module_name=name)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state in ``optimizer.state_dict()``'s index-keyed format, with
+        full tensors under FSDP2 (collective), so it loads at any world size."""
+        if self.mesh is None:
+            return self.optimizer.state_dict()
+        from miles_core.training.fsdp import full_optimizer_state
+
+        return full_optimizer_state(self.optimizer)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`optimizer_state` of a run at any world size (each rank keeps its
+        shard under FSDP2)."""
+        if self.mesh is None:
+            self.optimizer.load_state_dict(state)
+            return
+        from miles_core.training.fsdp import load_full_optimizer_state
+
+        load_full_optimizer_state(self.optimizer, state)
 
     # -- supervised flow matching ------------------------------------------------------
 
@@ -228,15 +300,19 @@ class Trainer:
         primary = self.family.latent_streams[0]
         self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
-            window = self._rank_share(rows[step * gbs : (step + 1) * gbs])
+            step_rows = rows[step * gbs : (step + 1) * gbs]
+            window = self._rank_share(step_rows)
+            size = config.micro_batch_size
+            self._check_plans([[None] * len(range(0, len(window), size))], step)
             if lr_at is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(self.optimizer_steps)
             self.optimizer.zero_grad(set_to_none=True)
-            # Noise and steps depend only on (--seed, optimizer step): a resumed run draws the same.
-            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
+            # Noise and steps depend only on (--seed, optimizer step): a resumed run draws the
+            # same. Ranks above 0 draw from their own stream (see miles_core.training.fsdp).
+            seed = config.seed * 1_000_003 + self.optimizer_steps
+            generator = torch.Generator().manual_seed(seed if self.dp_rank == 0 else (seed + self.dp_rank * 2**40) % 2**63)
             sums: dict[str, float] = defaultdict(float)
-            size = config.micro_batch_size
             for start in range(0, len(window), size):
                 chunk = window[start : start + size]
                 data = sft_batch(self.family, chunk, params, generator, self.prompt_cache)
@@ -244,7 +320,8 @@ class Trainer:
                 loss, metrics = self.loss_fn(
                     {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config
                 )
-                weight = len(chunk) / len(window)
+                # A share of the whole step's rows (of this rank's when nothing is sharded).
+                weight = len(chunk) / (len(step_rows) if self.mesh is not None else len(window))
                 self._add_micro_batch(sums, loss, metrics, weight)
             self._end_step(sums, per_step)
         return _per_step_summary(per_step)
@@ -263,15 +340,17 @@ class Trainer:
         self.last_pairs = []
         step_windows = self._step_windows(len(samples))
         self._progress_start(len(step_windows))
-        for step_window in step_windows:
+        for step, step_window in enumerate(step_windows):
             window = self._rank_share(step_window)
             if lr_at is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(self.optimizer_steps)
             self.optimizer.zero_grad(set_to_none=True)
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
+            # The whole step's draws on every rank (its own share trained): each item gets
+            # the timestep and noise it gets at world size 1.
             items = []
-            for index in window:
+            for index in step_window:
                 if samples[index].remove_sample:
                     continue  # removed by a per-sample filter: counted for advantages only
                 output = samples[index].output
@@ -283,13 +362,14 @@ class Trainer:
                 final = {name: trajectory[name][-1] for name in self.family.latent_streams}
                 for k in order.tolist():
                     items.append((index, k, final, trajectory, output.denoising_env))
+            mine = set(window)
+            mine_count = sum(1 for item in items if item[0] in mine)
             sums: dict[str, float] = defaultdict(float)
             size = config.micro_batch_size
-            for start in range(0, len(items), size):
-                chunk = items[start : start + size]
+            self._check_plans([[None] * len(range(0, mine_count, size))], step)
+            for chunk, noise in _nft_micro_batches(items, mine, size, generator, self.family.latent_streams):
                 sigma = torch.tensor([float(tr["sigmas"][k]) for _, k, _, tr, _ in chunk])
                 x0 = {name: torch.stack([f[name] for _, _, f, _, _ in chunk]) for name in self.family.latent_streams}
-                noise = {name: torch.randn(x.shape, generator=generator) for name, x in x0.items()}
                 shape = (-1,) + (1,) * (x0[primary].ndim - 1)
                 x_t = {name: (1 - sigma.view(shape)) * x0[name] + sigma.view(shape) * noise[name] for name in x0}
                 timestep = torch.stack([tr["timesteps"][k] for _, k, _, tr, _ in chunk])
@@ -306,7 +386,8 @@ class Trainer:
                      "sigma": sigma.to(v_new.device), "advantages": adv.to(v_new.device)},
                     config,
                 )
-                weight = len(chunk) / len(items)
+                # A share of the whole step's items (of this rank's when nothing is sharded).
+                weight = len(chunk) / (len(items) if self.mesh is not None else mine_count)
                 self._add_micro_batch(sums, loss, metrics, weight)
             self._end_step(sums, per_step)
         return _per_step_summary(per_step)
@@ -330,22 +411,54 @@ class Trainer:
             windows.append([p for p in pairs if p.sample_index in mine])
         pairs = [p for window in windows for p in window]
         self.last_pairs = pairs
+        totals = self._policy_totals(windows)
         if config.diffusion_recompute_old_log_prob:
             # Window by window, with the micro-batches training will use: the first
             # step's ratio is then exactly 1.
             for window in windows:
                 self._recompute_old_log_probs(window)
         self._progress_start(sum(len(micro_batches(window, config)) for window in windows) if self.on_progress else 0)
-        for window in windows:
-            metrics = self._optimizer_step(window, drift_by_step, lr_at)
+        for index, window in enumerate(windows):
+            metrics = self._optimizer_step(window, drift_by_step, lr_at, None if totals is None else totals[index])
             for key, value in metrics.items():
                 per_step[key].append(value)
         result = _per_step_summary(per_step)
+        if totals is not None:
+            # Every rank's drift per SDE step: (sum, count) pairs gathered (collective).
+            from miles_core.training import fsdp
+
+            drift = {k: (math.fsum(values), len(values)) for k, values in drift_by_step.items()}
+            gathered = fsdp.all_gather_object(drift)
+            steps = sorted({k for ranks in gathered for k in ranks})
+            for k in steps:
+                parts = [ranks[k] for ranks in gathered if k in ranks]
+                result[f"train/log_prob_abs_diff_step_{k}"] = math.fsum(s for s, _ in parts) / sum(n for _, n in parts)
+            result["train/num_pairs"] = sum(count for count, _ in totals)
+            return result
         if drift_by_step:
             for k, values in sorted(drift_by_step.items()):
                 result[f"train/log_prob_abs_diff_step_{k}"] = sum(values) / len(values)
         result["train/num_pairs"] = len(pairs)
         return result
+
+    def _policy_totals(self, windows: list[list[TrainPair]]) -> list[tuple[int, int]] | None:
+        """Under FSDP2 (collective): exchange the ranks' micro-batch plans (stop on a
+        mismatch, before any forward) and return each optimizer step's ``(pairs, kept
+        pairs)`` over all ranks; None when nothing is sharded."""
+        if self.mesh is None:
+            return None
+        from miles_core.training import fsdp
+
+        local = {
+            "plans": [[batch[0].denoiser for batch in micro_batches(window, self.config)] for window in windows],
+            "counts": [(len(window), sum(1 for p in window if p.loss_mask > 0)) for window in windows],
+        }
+        gathered = fsdp.all_gather_object(local)
+        fsdp.check_plans([ranks["plans"] for ranks in gathered])
+        return [
+            (sum(ranks["counts"][i][0] for ranks in gathered), sum(ranks["counts"][i][1] for ranks in gathered))
+            for i in range(len(windows))
+        ]
 
     @torch.no_grad()
     def _recompute_old_log_probs(self, pairs: list[TrainPair]) -> None:
@@ -357,7 +470,12 @@ class Trainer:
             for pair, value in zip(batch, log_prob.tolist()):
                 pair.old_log_prob = value
 
-    def _optimizer_step(self, pairs: list[TrainPair], drift_by_step: dict[int, list[float]], lr_at: Any) -> dict[str, float]:
+    def _optimizer_step(
+        self, pairs: list[TrainPair], drift_by_step: dict[int, list[float]], lr_at: Any,
+        totals: tuple[int, int] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's ``pairs``; ``totals`` is the step's ``(pairs,
+        kept pairs)`` over all ranks under FSDP2 (None: this rank's own)."""
         config = self.config
         skip = config.debug_skip_optimizer_step
         if lr_at is not None and not skip:
@@ -366,10 +484,11 @@ class Trainer:
                 group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        total = max(1, len(pairs))
+        count, kept = totals if totals is not None else (len(pairs), sum(1 for p in pairs if p.loss_mask > 0))
+        total = max(1, count)
         # The loss is the mean over the pairs that are not masked (a removed sample still
         # counted for its group's advantages, but trains nothing).
-        kept_total = max(1, sum(1 for p in pairs if p.loss_mask > 0))
+        kept_total = max(1, kept)
         for batch in micro_batches(pairs, config):
             data = on_device(self.prepare(batch), self.family.device)
             # The reference forward (which may swap weights) before the policy's graph exists.
@@ -388,6 +507,10 @@ class Trainer:
                     loss, metrics = self.loss_fn(loss_batch, config)
                     weight = int(keep.sum()) / kept_total
                     self._add_micro_batch(sums, loss, metrics, weight)
+                elif self.mesh is not None and not skip:
+                    # Nothing kept here, but FSDP2's backward collectives pair up across
+                    # ranks: a zero-weight backward keeps this rank in step.
+                    (log_prob.sum() * 0.0).backward()
             diff = (log_prob.detach() - data["old_log_prob"]).abs()
             sums["log_prob_mean_abs_diff"] += float(diff.sum()) / total
             sums["log_prob_max_abs_diff"] = max(sums["log_prob_max_abs_diff"], float(diff.max()))
@@ -398,6 +521,7 @@ class Trainer:
                 sums["model_output_mean_abs_diff"] += float(out.flatten(1).mean(1).sum()) / total
                 sums["model_output_max_abs_diff"] = max(sums["model_output_max_abs_diff"], float(out.max()))
             self._progress_tick()
+        sums = self._global_sums(sums)
         self._finish_step(sums, skip=skip)
         return dict(sums)
 
@@ -449,6 +573,34 @@ class Trainer:
             sigma_max=data["sigma_max"],
         )
         return result.mean[self.family.latent_streams[0]]
+
+
+def _nft_micro_batches(
+    items: list[Any], mine: set[int], size: int, generator: torch.Generator, streams: Sequence[str],
+) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
+    """This rank's nft micro-batches of ``size`` items and their noise. The noise is drawn
+    as world size 1 draws it (one ``randn`` per stream for each ``size`` items of the
+    whole step) and each of this rank's items keeps its own rows; a micro-batch made of
+    one such draw whole (always, at world size 1) gets that draw itself."""
+    kept: list[Any] = []
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in streams}
+    for start in range(0, len(items), size):
+        chunk = items[start : start + size]
+        noise = {name: torch.randn((len(chunk), *chunk[0][2][name].shape), generator=generator) for name in streams}
+        if not kept and all(item[0] in mine for item in chunk):
+            yield chunk, noise
+            continue
+        for row, item in enumerate(chunk):
+            if item[0] not in mine:
+                continue
+            kept.append(item)
+            for name in streams:
+                rows[name].append(noise[name][row])
+            if len(kept) == size:
+                yield kept, {name: torch.stack(values) for name, values in rows.items()}
+                kept, rows = [], {name: [] for name in streams}
+    if kept:
+        yield kept, {name: torch.stack(values) for name, values in rows.items()}
 
 
 def _accumulate(sums: dict[str, float], loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:

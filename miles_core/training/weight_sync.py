@@ -13,6 +13,10 @@ Tensors travel as safetensors buckets of at most ``--update-weight-buffer-size``
 Afterwards every engine server's ``/get_weights_checksum`` must equal the trainer-side
 checksum of the same weights (see :func:`expected_checksum`); a mismatch raises
 :class:`WeightSyncError` naming the URL and the module.
+
+:func:`snapshot_weights` copies what a sync would send, so that a sync that runs while
+the modules may change (an engine restarted mid-run, re-synced in the background) sends
+the weights of one moment.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -168,25 +172,66 @@ class SyncResult:
         return {"perf/weight_sync_time": self.seconds, "perf/weight_sync_bytes": self.bytes}
 
 
-async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module], config: Any) -> SyncResult:
-    """Send the trained modules' weights to every server of ``engine`` (an
-    :class:`~miles_core.engine.http.HttpEngine`), then check every server's checksums."""
+@dataclass
+class ModuleWeights:
+    """What a sync sends for one module."""
+
+    name: str
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    """In sorted name order: :func:`engine_weights`, or the ``lora_A``/``lora_B`` tensors."""
+    lora_config: dict[str, Any] | None = None
+    """LoRA-only: the adapter (see :func:`lora_config`); None for a full sync."""
+    checksum: str | None = None
+    """LoRA-only: what the engine must report (the adapted module's checksum); a full
+    sync's is the checksum of the tensors sent, computed as they go."""
+
+
+def _module_weights(name: str, module: torch.nn.Module, lora_only: bool) -> ModuleWeights:
+    if lora_only:
+        return ModuleWeights(name, sorted(lora_tensors(module), key=lambda item: item[0]), lora_config(module),
+                             expected_checksum(module, lora_only=True))
+    return ModuleWeights(name, engine_weights(module))
+
+
+def snapshot_weights(modules: Mapping[str, torch.nn.Module], config: Any) -> list[ModuleWeights]:
+    """What :func:`sync_to_engine` would send for ``modules`` now, copied to the CPU:
+    syncing the copy later sends these weights even if the modules have changed since
+    (trained, or an EMA swap undone). Costs one copy of the synced weights."""
+    lora_only = bool(config.lora_ipc_weight_sync)
+    weights = []
+    for name, module in modules.items():
+        module_weights = _module_weights(name, module, lora_only)
+        module_weights.tensors = [(key, tensor.detach().to("cpu", copy=True)) for key, tensor in module_weights.tensors]
+        weights.append(module_weights)
+    return weights
+
+
+async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | Sequence[ModuleWeights],
+                         config: Any) -> SyncResult:
+    """Send the trained modules' weights (or a :func:`snapshot_weights` of them) to every
+    server of ``engine`` (an :class:`~miles_core.engine.http.HttpEngine`), then check every
+    server's checksums."""
     began = time.perf_counter()
     lora_only = bool(config.lora_ipc_weight_sync)
+    weights = ([_module_weights(name, module, lora_only) for name, module in modules.items()]
+               if isinstance(modules, Mapping) else list(modules))
     result = SyncResult()
-    for name, module in modules.items():
+    for module_weights in weights:
+        name = module_weights.name
+        sent = _Hashing(module_weights.tensors)
         if lora_only:
-            sent = _Hashing(sorted(lora_tensors(module), key=lambda item: item[0]))
+            if module_weights.lora_config is None or module_weights.checksum is None:
+                raise ValueError(f"{name}: a LoRA-only sync needs the weights of a LoRA-only snapshot")
             await engine.update_weights_from_tensors(
-                name, sent, buffer_size=config.update_weight_buffer_size, lora_only=True, lora_config=lora_config(module)
+                name, sent, buffer_size=config.update_weight_buffer_size, lora_only=True,
+                lora_config=module_weights.lora_config,
             )
-            result.checksums[name] = expected_checksum(module, lora_only=True)
+            result.checksums[name] = module_weights.checksum
         else:
-            sent = _Hashing(engine_weights(module))
             await engine.update_weights_from_tensors(name, sent, buffer_size=config.update_weight_buffer_size)
             result.checksums[name] = sent.digest.hexdigest()
         result.bytes += sent.bytes
-    reported = await engine.weights_checksums(list(modules))
+    reported = await engine.weights_checksums([module_weights.name for module_weights in weights])
     for url, answer in reported.items():
         for name, want in result.checksums.items():
             got = answer.get(name)
@@ -200,5 +245,5 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module], co
     return result
 
 
-__all__ = ["SyncResult", "WeightSyncError", "engine_weights", "expected_checksum", "lora_config", "lora_tensors",
-           "sync_to_engine"]
+__all__ = ["ModuleWeights", "SyncResult", "WeightSyncError", "engine_weights", "expected_checksum", "lora_config",
+           "lora_tensors", "snapshot_weights", "sync_to_engine"]

@@ -1,0 +1,119 @@
+"""Connecting a run to Ray and holding its placement group.
+
+``--ray-address ADDRESS`` joins a running cluster (``ray start --head`` on the head node;
+``auto`` finds the local one). ``--use-ray`` alone starts a local Ray instance for the run
+and stops it at the end; its logical CPU count is at least what the placement asks for, so
+a small machine can run a 2-rank placement (Ray's CPU counts are for scheduling, not
+pinned cores). A process that already called ``ray.init`` (a notebook, a test) keeps its
+instance: the run neither starts nor stops Ray then.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable
+
+from miles_core.cluster.placement import PlacementPlan, plan_placement
+
+READY_TIMEOUT = 120.0
+"""Seconds to wait for the placement group's bundles before giving up."""
+
+
+class ClusterError(RuntimeError):
+    """Ray is missing, unreachable, or cannot place the run."""
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError(
+            "--use-ray needs Ray, which is not installed here: pip install 'miles-core[ray]' (ray==2.60.0)"
+        ) from None
+    return ray
+
+
+class RayRuntime:
+    """A run's Ray connection and placement group (see :func:`start`)."""
+
+    def __init__(self, ray: Any, plan: PlacementPlan, group: Any, started_here: bool) -> None:
+        self.ray = ray
+        self.plan = plan
+        self.group = group
+        self.started_here = started_here
+
+    @classmethod
+    def start(cls, config: Any, *, engines: int = 0, reward_worker: bool = False,
+              log: Callable[[str], None] = lambda line: None) -> RayRuntime:
+        """Connect (or start a local Ray), then reserve the run's placement group; a
+        :class:`ClusterError` names what is missing when it cannot be placed."""
+        from miles_core.machine import visible_gpu_count
+
+        ray = import_ray()
+        started_here = False
+        if not ray.is_initialized():
+            address = config.ray_address
+            if address:
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+                except (ConnectionError, RuntimeError, ValueError) as exc:
+                    raise ClusterError(f"--ray-address {address}: cannot connect to a Ray cluster there: {exc}") from None
+            else:
+                # Logical CPUs: enough for the placement even on a 2-core machine.
+                wanted = plan_placement(config, gpus=visible_gpu_count() > 0, engines=engines,
+                                        reward_worker=reward_worker).cpus
+                ray.init(num_cpus=max(math.ceil(wanted), os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=True)
+            started_here = True
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        try:
+            plan = plan_placement(config, gpus=gpus, engines=engines, reward_worker=reward_worker)
+        except ValueError:
+            if started_here:
+                ray.shutdown()
+            raise
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group(plan.bundles, strategy="PACK")
+        try:
+            ray.get(group.ready(), timeout=READY_TIMEOUT)
+        except Exception as exc:  # GetTimeoutError, or the group was removed
+            remove_placement_group(group)
+            available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            if started_here:
+                ray.shutdown()
+            raise ClusterError(
+                f"the cluster cannot place {len(plan.bundles)} bundles ({plan.describe()}) within {READY_TIMEOUT:g} s; "
+                f"available: {available} ({type(exc).__name__})"
+            ) from None
+        log(plan.describe())
+        return cls(ray, plan, group, started_here)
+
+    def options(self, bundle: int, share: float = 1.0, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        """``.options(...)`` for an actor on ``bundle`` taking ``share`` of its device."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=bundle,
+            ),
+            "num_cpus": share,
+            "num_gpus": share if self.plan.device == "GPU" and "GPU" in self.plan.bundles[bundle] else 0,
+        }
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        return options
+
+    def shutdown(self) -> None:
+        """Release the placement group; stop Ray if this run started it."""
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.group)
+        finally:
+            if self.started_here:
+                self.ray.shutdown()
+
+
+__all__ = ["ClusterError", "RayRuntime", "import_ray"]
