@@ -68,6 +68,56 @@ def _same_outputs(expected, got) -> None:
         assert_same(e, g)
 
 
+def assert_the_kill_changed_nothing(records: list[dict], calm: list[dict], killed_dir: Path, calm_dir: Path) -> None:
+    """A 2-rollout run whose engine was killed mid-rollout against the undisturbed run: at
+    least one request retried, one restart, and the same metrics (but the fault counters
+    and timings), samples, rewards and outputs (saved under ``<dir>/rollouts``)."""
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert sum(r["rollout/engine_retries"] for r in records) >= 1
+    assert sum(r["rollout/engine_restarts"] for r in records) == 1
+    assert all(r["rollout/engine_retries"] == 0 and r["rollout/engine_restarts"] == 0 for r in calm)
+    assert _comparable(records) == _comparable(calm)
+    assert "train/loss" in records[1] and "rollout/reward/raw_mean" in records[0]
+    for rollout_id in (0, 1):
+        got, got_rewards = load_rollout_data(str(killed_dir / "rollouts" / "{}.msgpack"), rollout_id)
+        want, want_rewards = load_rollout_data(str(calm_dir / "rollouts" / "{}.msgpack"), rollout_id)
+        assert len(got) == len(want) == 8
+        assert_same(got_rewards, want_rewards)
+        for g, w in zip(got, want):
+            assert (g.seed, g.group_index, g.index_in_group, g.sde_step_indices, g.reward) == \
+                   (w.seed, w.group_index, w.index_in_group, w.sde_step_indices, w.reward)
+        _same_outputs([w.output for w in want], [g.output for g in got])
+
+
+def restart_after_first_sync(original, seen: dict, stopping: str):
+    """A fixed order for a restart (``original(self, index)``, blocking): it waits until
+    the run synced twice (before rollout 0, after its training), unless the engine stops."""
+
+    def restart(self, index, *args, **kw):
+        deadline = time.monotonic() + 120
+        while len(seen["syncs"]) < 2 and not getattr(self, stopping):
+            assert time.monotonic() < deadline, "no weight sync after rollout 0"
+            time.sleep(0.05)
+        return original(self, index, *args, **kw)
+
+    return restart
+
+
+def recording_sync(seen: dict):
+    """``sync_to_engine`` that also records, after each sync, what the trainer sent and what
+    every engine reports (``seen["syncs"]``), and how many posts came before."""
+    original = weight_sync.sync_to_engine
+
+    async def recording(engine, modules, config):
+        result = await original(engine, modules, config)
+        reported = await engine.weights_checksums(list(result.checksums))
+        seen["syncs"].append({"urls": sorted(reported), "sent": dict(result.checksums), "reported": reported,
+                              "posts_before": len(seen["posts"])})
+        return result
+
+    return recording
+
+
 async def _poll(condition, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -118,30 +168,12 @@ def _disturbed_run(tiny_sd3, prompts, out: Path, monkeypatch, *, kill: bool) -> 
             os.kill(fleet.engines[0].process.pid, signal.SIGKILL)
         return outputs
 
-    original_restart = EngineFleet.restart
-
-    def restart(self, index, *args, **kw):
-        # A fixed order: the restarted engine comes up only after rollout 0 trained and
-        # synced, so its re-sync must send the trained policy (here: the EMA weights).
-        deadline = time.monotonic() + 120
-        while len(seen["syncs"]) < 2 and not self._stopped:
-            assert time.monotonic() < deadline, "no weight sync after rollout 0"
-            time.sleep(0.05)
-        return original_restart(self, index, *args, **kw)
-
-    original_sync = weight_sync.sync_to_engine
-
-    async def recording_sync(engine, modules, config):
-        result = await original_sync(engine, modules, config)
-        reported = await engine.weights_checksums(list(result.checksums))
-        seen["syncs"].append({"urls": sorted(reported), "sent": dict(result.checksums), "reported": reported,
-                              "posts_before": len(seen["posts"])})
-        return result
-
+    # The restarted engine comes up only after rollout 0 trained and synced, so its re-sync
+    # must send the trained policy (here: the EMA weights).
     monkeypatch.setattr(HttpEngine, "_post", post)
     monkeypatch.setattr(HttpEngine, "generate", generate)
-    monkeypatch.setattr(EngineFleet, "restart", restart)
-    monkeypatch.setattr(weight_sync, "sync_to_engine", recording_sync)
+    monkeypatch.setattr(EngineFleet, "restart", restart_after_first_sync(EngineFleet.restart, seen, "_stopped"))
+    monkeypatch.setattr(weight_sync, "sync_to_engine", recording_sync(seen))
     args = [*tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1), "--num-rollout", "2",
             "--lr", "3e-2", "--rollout-engine", "http", "--rollout-num-engines", "2", "--use-fault-tolerance",
             "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "10",
@@ -161,25 +193,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tiny
     calm = _disturbed_run(tiny_sd3, prompts, tmp_path / "calm", monkeypatch, kill=False)
     print(f"disturbed run {middle - began:.1f} s, undisturbed {time.monotonic() - middle:.1f} s")
 
-    # The kill happened mid-rollout: at least one request was retried, the engine restarted once.
-    records = disturbed["records"]
-    assert [r["rollout_id"] for r in records] == [0, 1]
-    assert sum(r["rollout/engine_retries"] for r in records) >= 1
-    assert sum(r["rollout/engine_restarts"] for r in records) == 1
-    assert all(r["rollout/engine_retries"] == 0 and r["rollout/engine_restarts"] == 0 for r in calm["records"])
-
-    # The same samples, rewards and metrics as the undisturbed run.
-    assert _comparable(records) == _comparable(calm["records"])
-    assert "train/loss" in records[1] and "rollout/reward/raw_mean" in records[0]
-    for rollout_id in (0, 1):
-        got, got_rewards = load_rollout_data(str(tmp_path / "killed" / "rollouts" / "{}.msgpack"), rollout_id)
-        want, want_rewards = load_rollout_data(str(tmp_path / "calm" / "rollouts" / "{}.msgpack"), rollout_id)
-        assert len(got) == len(want) == 8
-        assert_same(got_rewards, want_rewards)
-        for g, w in zip(got, want):
-            assert (g.seed, g.group_index, g.index_in_group, g.sde_step_indices, g.reward) == \
-                   (w.seed, w.group_index, w.index_in_group, w.sde_step_indices, w.reward)
-        _same_outputs([w.output for w in want], [g.output for g in got])
+    assert_the_kill_changed_nothing(disturbed["records"], calm["records"], tmp_path / "killed", tmp_path / "calm")
 
     # A new process took engine 0's place, from its own log.
     fleet = disturbed["fleets"][0]
@@ -333,11 +347,13 @@ def test_fault_tolerance_settings_are_checked_and_noted(tiny_sd3, prompts, tmp_p
     notes = resolve_config([*base, "--use-fault-tolerance", "--miles-router-timeout", "60"]).notes
     assert any(n.startswith("--use-fault-tolerance has no effect with --rollout-engine embedded") for n in notes), notes
     assert ("--miles-router-timeout 60.0: no effect with --rollout-engine embedded (it bounds the requests of "
-            "--rollout-engine http)") in notes, notes
+            "--rollout-engine http and sglang)") in notes, notes
     http = [*base, "--rollout-engine", "http", "--rollout-engine-urls", "http://127.0.0.1:1"]
-    assert not [n for n in resolve_config([*http, "--use-fault-tolerance", "--miles-router-timeout", "60",
-                                           "--rollout-health-check-timeout", "5"]).notes
-                if "fault-tolerance" in n or "health-check" in n or "router" in n]
+    sglang = [*base, "--rollout-engine", "sglang", "--sglang-python", "/opt/sglang/bin/python"]
+    for remote in (http, sglang):
+        assert not [n for n in resolve_config([*remote, "--use-fault-tolerance", "--miles-router-timeout", "60",
+                                               "--rollout-health-check-timeout", "5"]).notes
+                    if "fault-tolerance" in n or "health-check" in n or "router" in n], remote
 
 
 def test_a_stopped_fleet_restarts_nothing(tmp_path):

@@ -1,12 +1,16 @@
 """--rollout-engine sglang: the environment checks, the server command line, and the
 launch / health / disk weight sync / shutdown cycle against a stand-in ``sglang`` package
-whose serve entry point runs our own server (the real server: tests/lane_sglang)."""
+whose serve entry point runs our own server (the real server: tests/lane_sglang); and
+``--use-fault-tolerance`` / ``--miles-router-timeout`` for those servers."""
 
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -264,3 +268,177 @@ def test_sglang_timesteps_become_the_loop_grid():
         _timestep_grid(torch.tensor([857.7, 300.0, 0.0]), sigmas, [1, 2, 4], 4)
     with pytest.raises(SglangEngineError, match="returned 3 trajectory timesteps for 4 latents"):
         _timestep_grid(torch.tensor([857.7, 602.2, 0.0]), sigmas, [1, 2, 3, 4], 4)
+
+
+# -- fault tolerance and the request timeout ---------------------------------------------------
+
+
+def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
+    """A 2-server fault-tolerant ``--rollout-engine sglang`` run of two rollouts (4
+    microgroups each, two per server); with ``kill``, server 0 gets SIGKILL as soon as a
+    microgroup of rollout 0 returns while server 0 has a request in flight (the first
+    return: each server works through its two requests one at a time)."""
+    import miles_core.training.weight_sync as weight_sync
+    from miles_core.engine.health import HEALTHY
+    from miles_core.engine.http import HttpEngine
+    from tests.test_fault_tolerance import _poll, recording_sync, restart_after_first_sync
+    from tests.tiny_runs import run_metrics, tiny_run_args
+
+    seen: dict = {"engines": [], "posts": [], "syncs": [], "killed_pid": None, "generates": 0}
+    original_post = HttpEngine._post
+
+    async def post(self, url, path, **kw):
+        seen["posts"].append((path, url, (kw.get("json_body") or {}).get("model_path")))
+        return await original_post(self, url, path, **kw)
+
+    original_generate = SglangEngine.generate
+
+    async def generate(self, request):
+        seen["generates"] += 1
+        if not seen["engines"]:
+            seen["engines"].append(self)
+        if kill and seen["generates"] > 4:  # rollout 1 waits for the restarted server
+            await _poll(lambda: self.supervisor.state[0] == HEALTHY, "sglang server 0 restarted")
+        outputs = await original_generate(self, request)
+        if kill and seen["killed_pid"] is None and self.in_flight[0]:
+            process = self.processes[0]
+            seen.update(killed_pid=process.pid, killed_url=self.urls[0], killed_at=len(seen["posts"]))
+            os.kill(process.pid, signal.SIGKILL)
+        return outputs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # the servers' (two of them beside the trainer)
+        patch.setattr(HttpEngine, "_post", post)
+        patch.setattr(SglangEngine, "generate", generate)
+        # The new server comes up only after rollout 0 trained and synced, so its re-sync
+        # must send the trained weights.
+        patch.setattr(SglangEngine, "restart_server",
+                      restart_after_first_sync(SglangEngine.restart_server, seen, "_stopping"))
+        patch.setattr(weight_sync, "sync_to_engine", recording_sync(seen))
+        args = [*tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1), "--num-rollout", "2",
+                "--lr", "3e-2", "--rollout-engine", "sglang", "--sglang-python", str(python),
+                "--rollout-num-engines", "2", "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
+                "--save-debug-rollout-data", str(out / "rollouts" / "{}.msgpack")]
+        seen["records"] = run_metrics(args, timeout=400)
+    return seen
+
+
+@pytest.mark.exercises("--use-fault-tolerance")
+def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_unchanged(
+        tiny_sd3, prompts, tmp_path, fake_sglang):
+    from tests.test_fault_tolerance import assert_the_kill_changed_nothing
+
+    python, record = fake_sglang
+    began = time.monotonic()
+    disturbed = _sglang_run(tiny_sd3, prompts, python, tmp_path / "killed", kill=True)
+    middle = time.monotonic()
+    calm = _sglang_run(tiny_sd3, prompts, python, tmp_path / "calm", kill=False)
+    print(f"disturbed run {middle - began:.1f} s, undisturbed {time.monotonic() - middle:.1f} s")
+
+    # Killed mid-rollout: retried, restarted once, and the same samples and metrics.
+    assert_the_kill_changed_nothing(disturbed["records"], calm["records"], tmp_path / "killed", tmp_path / "calm")
+
+    # A new server process took server 0's place: same command line but the port, own log.
+    engine = disturbed["engines"][0]
+    new_url, new_pid = engine.urls[0], engine.processes[0].pid
+    assert new_pid != disturbed["killed_pid"] and new_url != disturbed["killed_url"]
+    assert engine.restarts == [1, 0]
+    logs = tmp_path / "killed" / "sglang" / "logs"
+    assert engine.log_paths[0] == logs / "engine-0.restart1.log"
+    assert f"on {new_url}" in (logs / "engine-0.restart1.log").read_text()
+    assert f"on {disturbed['killed_url']}" in (logs / "engine-0.log").read_text()  # the old log is kept
+    old_argv = json.loads(Path(f"{record}.{disturbed['killed_pid']}").read_text())
+    new_argv = json.loads(Path(f"{record}.{new_pid}").read_text())
+    port = old_argv.index("--port") + 1
+    assert new_argv[:port] + new_argv[port + 1:] == old_argv[:port] + old_argv[port + 1:]
+    assert new_argv[port] == new_url.rsplit(":", 1)[1]
+    assert all(p.poll() is not None for p in engine.processes)  # stopped with the run
+
+    # Before its first request it loaded the trainer's current weights from its own sync
+    # folder (the third sync: initial, after rollout 0, re-sync, after rollout 1), and its
+    # checksums matched.
+    syncs, posts = disturbed["syncs"], disturbed["posts"]
+    assert len(syncs) == 4 and syncs[2]["urls"] == [new_url] and syncs[1]["urls"] == [engine.urls[1]]
+    assert syncs[2]["reported"][new_url] == syncs[2]["sent"] == syncs[1]["sent"] != syncs[0]["sent"]
+    weight_sync = tmp_path / "killed" / "sglang" / "weight-sync"
+    resync = weight_sync / "resync-00001" / "sync-00000"
+    load = posts.index(("/update_weights_from_disk", new_url, str(resync)))
+    check = posts.index(("/get_weights_checksum", new_url, None))
+    first_request = posts.index(("/rollout/generate", new_url, None))
+    assert load < check < syncs[2]["posts_before"] <= first_request
+    assert (resync / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    # The main engine's sync folders are its own (three syncs), untouched by the re-sync.
+    assert sorted(p.name for p in weight_sync.iterdir()) == ["resync-00001", "sync-00000", "sync-00001", "sync-00002"]
+    # Once dead, the killed server got no weight update (syncs go to healthy servers).
+    assert not [p for p in posts[disturbed["killed_at"]:] if p[1] == disturbed["killed_url"] and "weights" in p[0]]
+    assert all(len(s["urls"]) == 2 for s in calm["syncs"]) and not (tmp_path / "calm" / "sglang" / "logs" /
+                                                                    "engine-0.restart1.log").exists()
+
+
+@pytest.mark.exercises("--miles-router-timeout")
+def test_the_router_timeout_bounds_a_request_to_an_sglang_server(tiny_sd3, tmp_path, fake_sglang):
+    from miles_core.engine.http import EngineRequestError
+    from tests.test_fault_tolerance import stopped
+
+    python, _ = fake_sglang
+    config = config_for(tiny_sd3, "--sglang-python", str(python), "--miles-router-timeout", "1",
+                        "--output-dir", str(tmp_path / "run"))
+    engine = create_engine(config)
+    try:
+        assert isinstance(engine, SglangEngine) and engine.request_timeout == 1.0 and engine.supervisor is None
+        request = RolloutRequest(prompt="a red cube", seed=7, width=32, height=32, num_inference_steps=3)
+
+        async def go():
+            try:
+                began = time.monotonic()
+                with stopped(engine.processes[0]), pytest.raises(EngineRequestError) as info:
+                    await asyncio.wait_for(engine.generate(request), 30)
+                assert time.monotonic() - began < 10
+                return info.value
+            finally:
+                await engine.close()
+
+        error = asyncio.run(go())
+        assert str(error) == f"{engine.urls[0]}/rollout/generate: no response: TimeoutError: no complete answer within 1 s"
+    finally:
+        engine.stop_servers() if isinstance(engine, SglangEngine) else None
+
+
+def test_restarts_are_refused_once_stopping_and_a_failed_one_names_its_log(tmp_path, tiny_sd3):
+    from miles_core.engine.health import FaultTolerance
+
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    engine = SglangEngine(["http://127.0.0.1:1"], [process], [work / "logs" / "engine-0.log"], work,
+                          fault_tolerance=FaultTolerance())
+    try:
+        # Servers the engine started are restarted by it; servers it did not start are not.
+        assert engine.supervisor.restart == engine._restart
+        assert SglangEngine(["http://127.0.0.1:1"], [], [], work, fault_tolerance=FaultTolerance()).supervisor.restart is None
+        with pytest.raises(SglangEngineError, match="not started by SglangEngine.launch"):
+            engine.restart_server(0)
+        dying = script(tmp_path / "python", 'case "$2" in sglang.*) echo "boom: no GPU" ; exit 3 ;; esac; exit 0')
+        engine.python, engine.model_path, engine.environment = str(dying), str(tiny_sd3), dict(os.environ)
+        with pytest.raises(SglangEngineError, match=r"^sglang-diffusion server 0 exited with status 3 before it was "
+                                                    r"healthy; see .*engine-0\.restart1\.log$") as info:
+            engine.restart_server(0, timeout=30)
+        assert "\n" not in str(info.value) and process.returncode == -signal.SIGKILL  # the old one killed first
+        assert "boom: no GPU" in (work / "logs" / "engine-0.restart1.log").read_text()
+        assert engine.log_paths[0] == work / "logs" / "engine-0.restart1.log" and engine.processes[0] is not process
+    finally:
+        engine.stop_servers()
+    with pytest.raises(SglangEngineError, match=r"^sglang-diffusion server 0 \(http://127.0.0.1:1\): not restarted, "
+                                                r"the servers are stopping$"):
+        engine.restart_server(0)
+    assert not (work / "logs" / "engine-0.restart2.log").exists()
+
+    # The re-sync view: one URL, no servers of its own, the model's files, its own sync folder.
+    engine._owns_work_dir = True
+    view = engine.view("http://127.0.0.1:2")
+    assert isinstance(view, SglangEngine) and view.urls == ["http://127.0.0.1:2"] and view.processes == []
+    assert view.supervisor is None and view.model_path == str(tiny_sd3) and view.request_timeout == engine.request_timeout
+    assert view._next_sync_dir() == work / "weight-sync" / "resync-00001" / "sync-00000"
+    assert engine.view("http://127.0.0.1:2").sync_root == work / "weight-sync" / "resync-00002"
+    asyncio.run(view.close())
+    assert work.is_dir()  # the engine's work folder is not the view's to remove

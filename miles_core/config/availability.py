@@ -197,8 +197,7 @@ _HEALTH_CHECK_SETTINGS = ("rollout_health_check_interval", "rollout_health_check
 
 def _fault_tolerance_notes(config: Config) -> list[str]:
     """Health-check settings without ``--use-fault-tolerance``; fault tolerance, or a
-    request timeout, for an engine that has no servers (embedded) or does not apply them
-    (sglang)."""
+    request timeout, for an engine that has no servers (embedded)."""
     notes = []
     unused = [config.flag(dest).name for dest in _HEALTH_CHECK_SETTINGS if _set_away_from_default(config, dest)]
     if unused and not config.get("use_fault_tolerance"):
@@ -208,10 +207,7 @@ def _fault_tolerance_notes(config: Config) -> list[str]:
     if engine == "embedded" and config.get("use_fault_tolerance"):
         notes.append("--use-fault-tolerance has no effect with --rollout-engine embedded: the engine runs in the "
                      "trainer's process, with no server to health-check or restart")
-    if engine == "sglang" and config.get("use_fault_tolerance"):
-        notes.append("--use-fault-tolerance has no effect with --rollout-engine sglang in this version: its servers "
-                     "are not health-checked or restarted (it works with --rollout-engine http)")
-    if engine in ("embedded", "sglang") and config.get("miles_router_timeout") is not None:
-        notes.append(f"{_shown(config, 'miles_router_timeout')}: no effect with --rollout-engine {engine} (it bounds "
-                     "the requests of --rollout-engine http)")
+    if engine == "embedded" and config.get("miles_router_timeout") is not None:
+        notes.append(f"{_shown(config, 'miles_router_timeout')}: no effect with --rollout-engine embedded (it bounds "
+                     "the requests of --rollout-engine http and sglang)")
     return notes

@@ -213,7 +213,7 @@ _TABLE: tuple[Flag, ...] = (
        "Send rollout HTTP POSTs through per-node Ray actors instead of the local client (MILES_HTTP_POST_ACTORS_PER_NODE sets the count)."),
     _f("rollout", "--use-miles-router", "bool", False, "Route requests through the miles router; required, the SGLang router is not supported."),
     _f("rollout", "--miles-router-timeout", "float", None,
-       "Seconds one /rollout/generate request to an http engine server may take (unset: no limit); a request past it "
+       "Seconds one /rollout/generate request to an http or sglang engine server may take (unset: no limit); a request past it "
        "fails, or under --use-fault-tolerance takes its server down and is retried on another."),
     _f("rollout", "--miles-router-max-connections", "int", None, "miles router connection-pool limit."),
     _f("rollout", "--miles-router-health-check-failure-threshold", "int", 3,
@@ -396,7 +396,7 @@ _TABLE: tuple[Flag, ...] = (
     _f("logging", "--miles-dashboard-workspace", "str", "./miles_dashboard", "miles dashboard workspace directory."),
     # ------------------------------------------------------------------ fault tolerance
     _f("fault_tolerance", "--use-fault-tolerance", "bool", False,
-       "Health-check the http engine's servers; a dead or hung one is restarted (when the run started it) and re-synced "
+       "Health-check the http or sglang engine's servers; a dead or hung one is restarted (when the run started it) and re-synced "
        "before it serves again, and its requests are retried on another with the same seeds."),
     _f("fault_tolerance", "--rollout-health-check-interval", "float", 30.0,
        "Seconds between engine health checks; raise it for video models, where a request can take minutes."),

@@ -1,4 +1,4 @@
-"""Fault tolerance for the ``http`` engine (``--use-fault-tolerance``).
+"""Fault tolerance for the ``http`` and ``sglang`` engines (``--use-fault-tolerance``).
 
 :class:`Supervisor` keeps one state per URL slot of an
 :class:`~miles_core.engine.http.HttpEngine`: ``healthy`` (requests and weight syncs go

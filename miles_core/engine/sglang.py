@@ -14,6 +14,12 @@ waits for ``GET /health`` and talks to them through :class:`HttpEngine` (the sam
 directory per sync (``<module>/diffusion_pytorch_model.safetensors``), and asks every server
 to load it with ``/update_weights_from_disk``. sglang's own ``/update_weights_from_tensor``
 passes CUDA-IPC handles in pickles, so it serves only colocated GPU runs and is not used.
+
+``--miles-router-timeout`` bounds each request as for the ``http`` engine. With
+``--use-fault-tolerance`` the servers are health-checked like an ``http`` fleet's; a dead or
+hung one is relaunched (:meth:`SglangEngine.restart_server`: same command and environment,
+a new port, log ``engine-<i>.restart<k>.log``) and re-synced through the disk by
+:meth:`SglangEngine.view` before it serves again.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from miles_core.engine.health import FaultTolerance
 from miles_core.engine.http import HttpEngine
 from miles_core.engine.request import RolloutOutput, RolloutRequest
 from miles_core.training.run import RunError
@@ -105,16 +113,29 @@ class SglangEngine(HttpEngine):
     """Starts sglang-diffusion servers, then behaves as an :class:`HttpEngine` over them."""
 
     def __init__(self, urls: Sequence[str], processes: Sequence[subprocess.Popen], log_paths: Sequence[Path],
-                 work_dir: Path, *, owns_work_dir: bool = False, **kwargs: Any) -> None:
+                 work_dir: Path, *, owns_work_dir: bool = False, sync_root: Path | None = None, **kwargs: Any) -> None:
+        if kwargs.get("fault_tolerance") is not None and processes and kwargs.get("restart") is None:
+            kwargs["restart"] = self._restart  # the run started these servers: it restarts them
         super().__init__(list(urls), **kwargs)
         self.processes = list(processes)
         self.log_paths = list(log_paths)
         self.work_dir = Path(work_dir)
         self._owns_work_dir = owns_work_dir
+        self.sync_root = Path(sync_root) if sync_root is not None else self.work_dir / "weight-sync"
+        """Where the weight syncs' directories go (``sync-<n>``)."""
         self._syncs = 0
         self._sync_dir: Path | None = None
         self._expected: dict[str, tuple[str, str]] = {}  # module -> (checksum of the file, of the trainer's tensors)
+        self._views = 0
         self.model_path: str | None = None
+        # How launch() started the servers, so that restart_server() can start one again.
+        self.python: str | None = None
+        self.sglang_args: list[str] = []
+        self.environment: dict[str, str] | None = None
+        self.launch_timeout = 600.0
+        self.restarts = [0] * len(self.processes)
+        self._lock = threading.Lock()
+        self._stopping = False
 
     @classmethod
     def from_config(cls, config: Any) -> SglangEngine:
@@ -124,6 +145,13 @@ class SglangEngine(HttpEngine):
         count = int(config.get("rollout_num_engines") or 1)
         if count < 1:
             raise SglangEngineError(f"--rollout-num-engines must be at least 1, got {count}")
+        request_timeout = config.get("miles_router_timeout")
+        if request_timeout is not None and not request_timeout > 0:
+            raise SglangEngineError(f"--miles-router-timeout must be positive, got {request_timeout}")
+        try:
+            fault_tolerance = FaultTolerance.from_config(config)
+        except ValueError as exc:
+            raise SglangEngineError(str(exc)) from None
         if config.get("output_dir"):
             work_dir, owned = Path(config.output_dir) / "sglang", False
             work_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +160,8 @@ class SglangEngine(HttpEngine):
         engine = cls.launch(python, config.hf_checkpoint, args, count, work_dir,
                             timeout=600.0,
                             max_concurrency=config.sglang_server_concurrency,
-                            decode_workers=config.get("rollout_parser_num_workers") or 1)
+                            decode_workers=config.get("rollout_parser_num_workers") or 1,
+                            request_timeout=request_timeout, fault_tolerance=fault_tolerance)
         engine._owns_work_dir = owned
         return engine
 
@@ -144,16 +173,20 @@ class SglangEngine(HttpEngine):
         (work_dir / "logs").mkdir(parents=True, exist_ok=True)
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         processes, logs, urls = [], [], []
-        for index in range(count):
-            port = free_port()
-            log_path = work_dir / "logs" / f"engine-{index}.log"
-            with log_path.open("wb") as log:
-                processes.append(subprocess.Popen(serve_command(python, model_path, port, sglang_args), stdout=log,
-                                                  stderr=subprocess.STDOUT, env=environment, start_new_session=True))
-            logs.append(log_path)
-            urls.append(f"http://127.0.0.1:{port}")
-        engine = cls(urls, processes, logs, work_dir, **kwargs)
+        try:
+            for index in range(count):
+                port = free_port()
+                log_path = work_dir / "logs" / f"engine-{index}.log"
+                processes.append(_spawn(python, model_path, port, sglang_args, environment, log_path))
+                logs.append(log_path)
+                urls.append(f"http://127.0.0.1:{port}")
+            engine = cls(urls, processes, logs, work_dir, **kwargs)
+        except BaseException:
+            _kill_groups(processes)
+            raise
         engine.model_path = str(model_path)
+        engine.python, engine.sglang_args, engine.environment = str(python), list(sglang_args), environment
+        engine.launch_timeout = timeout
         try:
             engine._wait_healthy(timeout)
         except BaseException:
@@ -161,12 +194,14 @@ class SglangEngine(HttpEngine):
             raise
         return engine
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_healthy(self, timeout: float, servers: Mapping[int, str] | None = None) -> None:
+        """Wait until the servers (``{index: url}``, default: all) answer ``/health`` with
+        200; :class:`SglangEngineError` naming the first one's log when it exits or times out."""
         import urllib.error
         import urllib.request
 
         deadline = time.monotonic() + timeout
-        pending = dict(enumerate(self.urls))
+        pending = dict(enumerate(self.urls) if servers is None else servers)
         while pending:
             for index, url in list(pending.items()):
                 code = self.processes[index].poll()
@@ -186,6 +221,54 @@ class SglangEngine(HttpEngine):
                 raise SglangEngineError(f"sglang-diffusion server {index} ({pending[index]}) not healthy after "
                                         f"{timeout:g} s; see {self.log_paths[index]}")
             time.sleep(0.25)
+
+    # -- fault tolerance ----------------------------------------------------------------------
+
+    async def _restart(self, index: int) -> str:
+        """The supervisor's ``restart`` callback (``--use-fault-tolerance``)."""
+        return await asyncio.to_thread(self.restart_server, index)
+
+    def restart_server(self, index: int, timeout: float | None = None) -> str:
+        """Replace server ``index``: SIGKILL its process group (it is dead or hung), start
+        it again with the same command line and environment on a new free port (log
+        ``logs/engine-<index>.restart<k>.log``, so the old log keeps what went wrong), wait
+        until it is healthy (``timeout``: launch's by default) and return its URL. Blocking;
+        :class:`SglangEngineError` naming the new log when it does not come up, or when
+        :meth:`stop_servers` has begun."""
+        if self.python is None or self.model_path is None or self.environment is None:
+            raise SglangEngineError("these sglang-diffusion servers were not started by SglangEngine.launch: "
+                                    "cannot restart one")
+        old = self.processes[index]
+        _kill_groups([old])
+        with self._lock:  # stop_servers() must not miss a server started while it runs
+            if self._stopping:
+                raise SglangEngineError(f"sglang-diffusion server {index} ({self.urls[index]}): not restarted, "
+                                        "the servers are stopping")
+            self.restarts[index] += 1
+            port = free_port()
+            log_path = self.work_dir / "logs" / f"engine-{index}.restart{self.restarts[index]}.log"
+            self.processes[index] = _spawn(self.python, self.model_path, port, self.sglang_args, self.environment,
+                                           log_path)
+            self.log_paths[index] = log_path
+        url = f"http://127.0.0.1:{port}"  # the supervisor puts it in the slot
+        try:
+            self._wait_healthy(self.launch_timeout if timeout is None else timeout, {index: url})
+        except BaseException:
+            _kill_groups([self.processes[index]])
+            raise
+        return url
+
+    def view(self, url: str) -> SglangEngine:
+        """An engine over ``url`` alone that syncs weights through the disk like this one
+        (the re-sync of a restarted server), in its own directory
+        ``weight-sync/resync-<n>`` so that it never overwrites this engine's syncs. It
+        starts and stops no server and leaves the work directory alone."""
+        self._views += 1
+        view = SglangEngine([url], [], [], self.work_dir, sync_root=self.sync_root / f"resync-{self._views:05d}",
+                            max_concurrency=self.max_concurrency, request_timeout=self.request_timeout,
+                            connect_timeout=self.connect_timeout)
+        view.model_path = self.model_path
+        return view
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         """As :meth:`HttpEngine.generate`. sglang-diffusion 0.5.23 draws output *i* from
@@ -243,7 +326,7 @@ class SglangEngine(HttpEngine):
 
     def _next_sync_dir(self) -> Path:
         if self._sync_dir is None:
-            self._sync_dir = self.work_dir / "weight-sync" / f"sync-{self._syncs:05d}"
+            self._sync_dir = self.sync_root / f"sync-{self._syncs:05d}"
             self._syncs += 1
         return self._sync_dir
 
@@ -286,6 +369,8 @@ class SglangEngine(HttpEngine):
     # -- shutdown ---------------------------------------------------------------------------
 
     def stop_servers(self, grace: float = 20.0) -> None:
+        with self._lock:  # a restart from now on is refused
+            self._stopping = True
         for process in self.processes:
             if process.poll() is None:
                 try:
@@ -308,6 +393,30 @@ class SglangEngine(HttpEngine):
         await asyncio.to_thread(self.stop_servers)
         if self._owns_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _spawn(python: str, model_path: str, port: int, sglang_args: Sequence[str], environment: Mapping[str, str],
+           log_path: Path) -> subprocess.Popen:
+    """Start one server (its own process group, output to ``log_path``); does not wait."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(serve_command(python, model_path, port, sglang_args), stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(environment), start_new_session=True)
+
+
+def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL each server's process group (its workers too) and reap it. A process
+    already reaped is left alone: its group id may have been reused."""
+    for process in processes:
+        if process.returncode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 FLOW_MATCH_TRAIN_TIMESTEPS = 1000.0
