@@ -294,6 +294,36 @@ def exact_first_sigma(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas
 
 
+def request_size(name: str, value: int | None, default: int, multiple: int, *, rule: str = "",
+                 limit: int | None = None, limit_rule: str = "") -> int:
+    """A request's ``height`` or ``width`` for :meth:`ModelFamily.resolve_params`:
+    ``default`` when unset; it must be a multiple of ``multiple`` (``rule``: why, appended
+    to the message) and at most ``limit`` when one is given (``limit_rule`` likewise).
+    :class:`~miles_core.engine.request.RequestError` naming the field otherwise."""
+    from miles_core.engine.request import RequestError
+
+    value = default if value is None else value
+    if value % multiple:
+        raise RequestError(name, f"{value} must be a multiple of {multiple}{rule}")
+    if limit is not None and value > limit:
+        raise RequestError(name, f"{value} exceeds the transformer's maximum of {limit}{limit_rule}")
+    return value
+
+
+def request_fps(value: float | None, default: float | None) -> float | None:
+    """A request's ``fps``: ``default`` when unset, else a finite number above 0
+    (:class:`~miles_core.engine.request.RequestError` otherwise)."""
+    import math
+
+    from miles_core.engine.request import RequestError
+
+    if value is None:
+        return default
+    if not (math.isfinite(value) and value > 0):
+        raise RequestError("fps", f"must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def per_output_noise(shape: Sequence[int], generators: Sequence[torch.Generator]) -> torch.Tensor:
     """``[len(generators), *shape[1:]]`` fp32 noise: one ``torch.randn(shape)`` draw per
     output from that output's own CPU generator (``shape`` has a leading 1), so an

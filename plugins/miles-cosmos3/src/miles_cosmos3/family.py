@@ -55,6 +55,8 @@ from miles_core.family import (
     exact_first_sigma,
     flow_shift_key,
     per_output_noise,
+    request_fps,
+    request_size,
     scheduler_copy,
 )
 
@@ -111,21 +113,14 @@ class Cosmos3Family(ModelFamily):
 
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        import math
-
         from miles_core.engine.request import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         spatial = int(pipe.vae_scale_factor_spatial)  # Cosmos3OmniPipeline.check_inputs
         temporal = int(pipe.vae_scale_factor_temporal)
-        sizes = {}
-        for name, native in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH)):
-            value = getattr(request, name)
-            value = native if value is None else value
-            # The transformer pads the latent grid to its patch itself, as the pipeline relies on.
-            if value % spatial:
-                raise RequestError(name, f"{value} must be a multiple of {spatial} (the VAE's spatial factor)")
-            sizes[name] = value
+        # The transformer pads the latent grid to its patch itself, as the pipeline relies on.
+        sizes = {name: request_size(name, getattr(request, name), native, spatial, rule=" (the VAE's spatial factor)")
+                 for name, native in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))}
         # None is an image, as the trainer sends --diffusion-output-num-frames 1 (the
         # pipeline's own default, 189 frames, is for its interactive use).
         frames = 1 if request.num_frames is None else request.num_frames
@@ -136,9 +131,7 @@ class Cosmos3Family(ModelFamily):
                 f"{frames}: a video has 1 + {temporal}k frames (the VAE compresses time {temporal}x; the pipeline "
                 f"would return {got})",
             )
-        fps = _DEFAULT_FPS if request.fps is None else float(request.fps)
-        if not math.isfinite(fps) or fps <= 0:
-            raise RequestError("fps", f"must be a finite number > 0, got {request.fps}")
+        fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "Cosmos 3 has no true CFG; use guidance_scale")
         extra = dict(request.extra_sampling_params)

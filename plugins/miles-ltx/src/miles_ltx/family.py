@@ -28,6 +28,8 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    request_fps,
+    request_size,
     scheduler_copy,
 )
 
@@ -102,13 +104,8 @@ class LtxFamily(ModelFamily):
 
         pipe = self.pipeline
         multiple = math.lcm(_SIZE_MULTIPLE, pipe.vae_spatial_compression_ratio * pipe.transformer_spatial_patch_size)
-        sizes = {}
-        for name, default in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH)):
-            value = getattr(request, name)
-            value = default if value is None else value
-            if value % multiple:
-                raise RequestError(name, f"{value} must be a multiple of {multiple}")
-            sizes[name] = value
+        sizes = {name: request_size(name, getattr(request, name), default, multiple)
+                 for name, default in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))}
         frames = _DEFAULT_NUM_FRAMES if request.num_frames is None else request.num_frames
         temporal = pipe.vae_temporal_compression_ratio
         patch_t = pipe.transformer_temporal_patch_size
@@ -116,9 +113,7 @@ class LtxFamily(ModelFamily):
             raise RequestError(
                 "num_frames", f"{frames} must be 1 + a multiple of {temporal} (the VAE's temporal compression)"
             )
-        fps = _DEFAULT_FPS if request.fps is None else float(request.fps)
-        if not math.isfinite(fps) or fps <= 0:
-            raise RequestError("fps", f"must be a finite number > 0, got {request.fps}")
+        fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "LTX-2 has no true CFG; use guidance_scale")
         extra = dict(request.extra_sampling_params)

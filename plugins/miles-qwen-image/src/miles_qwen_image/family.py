@@ -40,6 +40,7 @@ from miles_core.family import (
     ModelFamily,
     Schedule,
     read_component_config,
+    request_size,
     scheduler_copy,
 )
 
@@ -87,13 +88,8 @@ class QwenImageFamily(ModelFamily):
         # QwenImagePipeline.check_inputs: the VAE factor times the 2x2 packing (it only warns
         # and rounds down; a request asking for a size it would not produce is refused).
         multiple = pipe.vae_scale_factor * 2
-        sizes = {}
-        for name in ("height", "width"):
-            value = getattr(request, name)
-            value = native if value is None else value
-            if value % multiple:
-                raise RequestError(name, f"{value} must be a multiple of {multiple} (VAE factor x 2x2 packing)")
-            sizes[name] = value
+        sizes = {name: request_size(name, getattr(request, name), native, multiple, rule=" (VAE factor x 2x2 packing)")
+                 for name in ("height", "width")}
         if request.num_frames not in (None, 1):
             raise RequestError("num_frames", f"Qwen-Image generates images (1 frame), got {request.num_frames}")
         true_cfg = request.true_cfg_scale

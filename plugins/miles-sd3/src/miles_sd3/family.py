@@ -17,6 +17,7 @@ from miles_core.family import (
     Schedule,
     per_output_noise,
     read_component_config,
+    request_size,
     scheduler_copy,
 )
 
@@ -58,15 +59,8 @@ class SD3Family(ModelFamily):
         # sizes would only fail inside the forward.
         max_embed = pipe.transformer.config.get("pos_embed_max_size")
         limit = None if max_embed is None else max_embed * multiple
-        sizes = {}
-        for name in ("height", "width"):
-            value = getattr(request, name)
-            value = native if value is None else value
-            if value % multiple:
-                raise RequestError(name, f"{value} must be a multiple of {multiple}")
-            if limit is not None and value > limit:
-                raise RequestError(name, f"{value} exceeds the transformer's maximum of {limit}")
-            sizes[name] = value
+        sizes = {name: request_size(name, getattr(request, name), native, multiple, limit=limit)
+                 for name in ("height", "width")}
         if request.num_frames not in (None, 1):
             raise RequestError("num_frames", f"SD3 generates images (1 frame), got {request.num_frames}")
         if request.true_cfg_scale is not None:

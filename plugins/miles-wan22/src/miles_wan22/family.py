@@ -28,6 +28,8 @@ from miles_core.family import (
     exact_first_sigma,
     flow_shift_key,
     per_output_noise,
+    request_fps,
+    request_size,
     scheduler_copy,
 )
 
@@ -108,20 +110,14 @@ class Wan22Family(ModelFamily):
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         _, patch_h, patch_w = transformer.config.patch_size
         rope = transformer.config.get("rope_max_seq_len")
-        sizes: dict[str, int] = {}
-        for name, native, patch in (("height", WAN_DEFAULT_HEIGHT, patch_h), ("width", WAN_DEFAULT_WIDTH, patch_w)):
-            value = getattr(request, name)
-            value = native if value is None else value
-            # WanPipeline.check_inputs wants multiples of 16; patchification wants
-            # multiples of the VAE factor x the patch (the pipeline would silently crop).
-            multiple = math.lcm(16, spatial * patch)
-            if value % multiple:
-                raise RequestError(name, f"{value} must be a multiple of {multiple}")
-            if rope is not None and value // (spatial * patch) > rope:
-                raise RequestError(
-                    name, f"{value} exceeds the transformer's maximum of {rope * spatial * patch} (rope_max_seq_len {rope})"
-                )
-            sizes[name] = value
+        # WanPipeline.check_inputs wants multiples of 16; patchification wants multiples of
+        # the VAE factor x the patch (the pipeline would silently crop).
+        sizes = {
+            name: request_size(name, getattr(request, name), native, math.lcm(16, spatial * patch),
+                               limit=None if rope is None else rope * spatial * patch,
+                               limit_rule=f" (rope_max_seq_len {rope})")
+            for name, native, patch in (("height", WAN_DEFAULT_HEIGHT, patch_h), ("width", WAN_DEFAULT_WIDTH, patch_w))
+        }
         frames = WAN_DEFAULT_NUM_FRAMES if request.num_frames is None else request.num_frames
         if (frames - 1) % temporal:
             raise RequestError(
@@ -130,9 +126,7 @@ class Wan22Family(ModelFamily):
             )
         if rope is not None and ((frames - 1) // temporal + 1) // transformer.config.patch_size[0] > rope:
             raise RequestError("num_frames", f"{frames} gives more latent frames than the transformer's rope_max_seq_len {rope}")
-        fps = request.fps
-        if fps is not None and not (math.isfinite(fps) and fps > 0):
-            raise RequestError("fps", f"must be a finite number > 0, got {fps!r}")
+        fps = request_fps(request.fps, None)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "Wan 2.2 has no true CFG; use guidance_scale and guidance_scale_2")
         extra = dict(request.extra_sampling_params)
