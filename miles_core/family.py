@@ -310,6 +310,43 @@ def request_size(name: str, value: int | None, default: int, multiple: int, *, r
     return value
 
 
+def request_extras(request: Any, known: Sequence[str], *, family: str) -> dict[str, Any]:
+    """A copy of the request's ``extra_sampling_params`` once every key is one of
+    ``known`` (listed in the message in the order given); a
+    :class:`~miles_core.engine.request.RequestError` naming the family otherwise."""
+    from miles_core.engine.request import RequestError
+
+    extra = dict(request.extra_sampling_params)
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        listing = " and ".join(known) if len(known) == 2 else ", ".join(known)
+        raise RequestError("extra_sampling_params", f"{family} takes only {listing}, got {', '.join(unknown)}")
+    return extra
+
+
+def check_flow_shift(scheduler: Any, flow_shift: float | None, *, what: str = "shift") -> None:
+    """Refuse a requested flow shift the pipeline's scheduler has no option for (see
+    :func:`flow_shift_key`)."""
+    from miles_core.engine.request import FLOW_SHIFT, RequestError
+
+    if flow_shift is not None and flow_shift_key(scheduler) is None:
+        raise RequestError("extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(scheduler).__name__} has no {what}")
+
+
+def request_max_sequence_length(extra: Mapping[str, Any], default: int | None, limit: int | None,
+                                key: str = "max_sequence_length") -> int:
+    """``extra[key]`` (``default`` when absent): an integer in ``[1, limit]``, or any
+    positive integer without a ``limit``."""
+    from miles_core.engine.request import RequestError
+
+    length = extra.get(key, default)
+    valid = not isinstance(length, bool) and isinstance(length, int) and length >= 1 and (limit is None or length <= limit)
+    if not valid:
+        rule = "a positive integer" if limit is None else f"an integer in [1, {limit}]"
+        raise RequestError("extra_sampling_params", f"{key} must be {rule}, got {length!r}")
+    return length
+
+
 def request_fps(value: float | None, default: float | None) -> float | None:
     """A request's ``fps``: ``default`` when unset, else a finite number above 0
     (:class:`~miles_core.engine.request.RequestError` otherwise)."""

@@ -149,6 +149,38 @@ def _max_diff(a: Any, b: Any, what: str) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def check_expand_matches_repeated(family: ModelFamily, prompt: str, negative: str | None, params: Any,
+                                  once: Any, count: int = 3) -> None:
+    """``once`` (the family's encoding of ``prompt`` / ``negative``) expanded to ``count``
+    outputs equals ``count`` separate encodings, tensor by tensor on both sides: the
+    engine encodes a prompt once per request."""
+    import torch
+
+    expanded = once.expand(count)
+    repeated = [family.encode(prompt, negative, params) for _ in range(count)]
+    for side in ("positive", "negative"):
+        if getattr(expanded, side) is None:  # no negative side without CFG: none when repeated either
+            assert all(getattr(r, side) is None for r in repeated), side
+            continue
+        for key, value in getattr(expanded, side).items():
+            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+
+
+def batched_and_rows(family: ModelFamily, latents: dict[str, Any], t: Any, cond: Any, params: Any
+                     ) -> dict[str, tuple[Any, Any]]:
+    """Per latent stream, the prediction for a batch of rows (each its own timestep, the
+    conditioning expanded) and the row-by-row predictions concatenated: the trainer mixes
+    rows of different samples and steps in one micro-batch, so the two must agree."""
+    import torch
+
+    count = int(t.shape[0])
+    with torch.no_grad():
+        batched = family.predict(latents, t, cond.expand(count), params)
+        rows = [family.predict({n: x[i : i + 1] for n, x in latents.items()}, t[i : i + 1], cond, params)
+                for i in range(count)]
+    return {name: (batched[name], torch.cat([row[name] for row in rows])) for name in family.latent_streams}
+
+
 def check_multi_output_invariant(family: ModelFamily, request: RolloutRequest, *, atol: float = 1e-5) -> float:
     """Output *i* of ``request`` (``num_outputs_per_prompt`` M >= 2) equals the one-output
     request with seed ``seed + i``: pixels, log-probs, trajectory latents and extra outputs

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from miles_core.cluster.runtime import task_result
+
 START_TIMEOUT = 300.0
 """Seconds an engine server may take to load its model and answer ``/health``."""
 
@@ -91,24 +93,14 @@ class RayEngineFleet:
         return fleet
 
     def _call_all(self, method: str) -> list[Any]:
-        try:
-            return self._ray.get([getattr(host, method).remote() for host in self.hosts])
-        except self._ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+        return task_result([getattr(host, method).remote() for host in self.hosts])
 
     def pids(self) -> list[int | None]:
         return self._call_all("pid")
 
     def restart(self, index: int) -> str:
         """Start engine ``index`` again (a fresh server on its bundle); its new URL."""
-        try:
-            url = self._ray.get(self.hosts[index].start.remote())
-        except self._ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            raise (cause if isinstance(cause, Exception) else exc) from None
+        url = task_result(self.hosts[index].start.remote())
         self._urls[index] = url
         return url
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from miles_core.cluster.runtime import task_result, task_value
+
 OUTCOME_FIELDS = ("reward", "reward_components", "reward_failed", "reward_failures", "remove_sample")
 """What scoring sets on a sample."""
 
@@ -47,11 +49,6 @@ class RewardWorker:
         return self._scorer(evaluation).finish(copies, prefix=prefix)
 
 
-def _unwrap(exc: Exception) -> Exception:
-    """The exception a Ray task raised, as itself (a RewardError stays one)."""
-    return getattr(exc, "cause", None) or exc
-
-
 class RayRewardScorer:
     """The driver's handle on a :class:`RewardWorker` (see the module docstring)."""
 
@@ -61,10 +58,7 @@ class RayRewardScorer:
         self._ray = ray
         self.worker = worker
         self.evaluation = evaluation
-        try:
-            self.name, self.needs_whole_groups = ray.get(worker.describe.remote(evaluation))
-        except ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
+        self.name, self.needs_whole_groups = task_result(worker.describe.remote(evaluation))
 
     @classmethod
     def start(cls, config: Any, runtime: Any) -> RayRewardScorer:
@@ -83,20 +77,14 @@ class RayRewardScorer:
         import torch
 
         samples = list(samples)
-        try:
-            outcomes = await self.worker.score.remote(self.evaluation, [id(s) for s in samples], samples)
-        except self._ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
+        outcomes = await task_value(self.worker.score.remote(self.evaluation, [id(s) for s in samples], samples))
         for sample, outcome in zip(samples, outcomes):
             for name, value in outcome.items():
                 setattr(sample, name, value)
         return torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
 
     def finish(self, samples: Sequence[Any], *, prefix: str = "rollout/reward/") -> dict[str, float]:
-        try:
-            return self._ray.get(self.worker.finish.remote(self.evaluation, [id(s) for s in samples], prefix))
-        except self._ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
+        return task_result(self.worker.finish.remote(self.evaluation, [id(s) for s in samples], prefix))
 
     def close(self) -> None:
         self._ray.kill(self.worker)

@@ -34,6 +34,33 @@ def import_ray() -> Any:
     return ray
 
 
+def task_result(refs: Any, timeout: float | None = None) -> Any:
+    """``ray.get(refs)``, with an error a task raised re-raised as itself (a ValueError
+    stays a ValueError, a RewardError a RewardError) rather than wrapped in Ray's
+    ``RayTaskError``; await :func:`task_value` for one reference inside an event loop."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        raise _cause(exc) from None
+
+
+async def task_value(ref: Any) -> Any:
+    """``await ref``, with a task's own error re-raised as in :func:`task_result`."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        raise _cause(exc) from None
+
+
+def _cause(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
 class RayRuntime:
     """A run's Ray connection and placement group (see :func:`start`)."""
 
@@ -51,28 +78,27 @@ class RayRuntime:
         from miles_core.machine import visible_gpu_count
 
         ray = import_ray()
-        started_here = False
-        if not ray.is_initialized():
-            address = config.ray_address
-            if address:
-                try:
-                    ray.init(address=address, include_dashboard=False, log_to_driver=True)
-                except (ConnectionError, RuntimeError, ValueError) as exc:
-                    raise ClusterError(f"--ray-address {address}: cannot connect to a Ray cluster there: {exc}") from None
-            else:
-                # Logical CPUs: enough for the placement even on a 2-core machine.
-                wanted = plan_placement(config, gpus=visible_gpu_count() > 0, engines=engines,
-                                        reward_worker=reward_worker).cpus
-                ray.init(num_cpus=max(math.ceil(wanted), os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True)
-            started_here = True
-        gpus = ray.cluster_resources().get("GPU", 0) > 0
-        try:
-            plan = plan_placement(config, gpus=gpus, engines=engines, reward_worker=reward_worker)
-        except ValueError:
-            if started_here:
-                ray.shutdown()
-            raise
+        started_here = not ray.is_initialized()
+        plan = None
+        if started_here and config.ray_address:
+            try:
+                ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ClusterError(f"--ray-address {config.ray_address}: cannot connect to a Ray cluster there: {exc}") from None
+        elif started_here:
+            # A local instance has this machine's devices; logical CPUs: enough for the
+            # placement even on a 2-core machine.
+            plan = plan_placement(config, gpus=visible_gpu_count() > 0, engines=engines, reward_worker=reward_worker)
+            ray.init(num_cpus=max(math.ceil(plan.cpus), os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True)
+        if plan is None:  # a running cluster: its own devices
+            try:
+                plan = plan_placement(config, gpus=ray.cluster_resources().get("GPU", 0) > 0, engines=engines,
+                                      reward_worker=reward_worker)
+            except ValueError:
+                if started_here:
+                    ray.shutdown()
+                raise
         from ray.util.placement_group import placement_group, remove_placement_group
 
         group = placement_group(plan.bundles, strategy="PACK")
@@ -116,4 +142,4 @@ class RayRuntime:
                 self.ray.shutdown()
 
 
-__all__ = ["ClusterError", "RayRuntime", "import_ray"]
+__all__ = ["ClusterError", "RayRuntime", "import_ray", "task_result", "task_value"]

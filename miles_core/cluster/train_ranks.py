@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Sequence
 
-from miles_core.cluster.runtime import RayRuntime
+from miles_core.cluster.runtime import RayRuntime, task_result
 
 
 class TrainRank:
@@ -159,7 +159,7 @@ class RayTrainer:
             for rank in range(world)
         ]
         try:
-            master = self._ray.get(self.ranks[0].address.remote())
+            master = task_result(self.ranks[0].address.remote())
             self._on_ranks("setup", *master)
             if config.use_lora:
                 # Adapter initialisation draws from each process's RNG: start every rank
@@ -183,13 +183,7 @@ class RayTrainer:
         """Call ``method`` on every rank at once; an error a rank raised is raised here
         as itself (a ValueError stays one)."""
         refs = [self._ray.put(arg) for arg in args]  # one copy in the object store for all ranks
-        try:
-            return self._ray.get([getattr(rank, method).remote(*refs) for rank in self.ranks])
-        except self._ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+        return task_result([getattr(rank, method).remote(*refs) for rank in self.ranks])
 
     def _pull(self) -> None:
         """Load the ranks' full state into the mirror."""

@@ -284,11 +284,7 @@ def test_conditioning_is_the_pipelines_token_ids_encoded_once(family: Cosmos3Fam
     faster = family.encode(PROMPT, NEGATIVE, replace(params, fps=16.0))
     assert not torch.equal(faster.positive["input_ids"], ids)
     # Encoded once and expanded equals encoding every output.
-    expanded = once.expand(3)
-    repeated = [family.encode(PROMPT, NEGATIVE, params) for _ in range(3)]
-    for side in ("positive", "negative"):
-        for key, value in getattr(expanded, side).items():
-            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+    family_checks.check_expand_matches_repeated(family, PROMPT, NEGATIVE, params, once)
     # A None negative prompt is the pipeline's "" (with its inverse templates).
     _, empty_ids = pipe.tokenize_prompt(PROMPT, "", num_frames=5, height=16, width=24, fps=24.0)
     assert family.encode(PROMPT, None, params).negative["input_ids"][0, : len(empty_ids)].tolist() == empty_ids

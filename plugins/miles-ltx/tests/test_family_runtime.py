@@ -141,19 +141,13 @@ def test_rows_of_a_batch_are_independent(family: LtxFamily, guidance: float) -> 
     schedule = family.schedule(params)
     t = schedule.timesteps[[0, 2, 3]]  # a different step per row, as the trainer mixes them
     cond = family.encode(PROMPT, None, params)
-    with torch.no_grad():
-        batched = family.predict(latents, t, cond.expand(3), params)
-        rows = [
-            family.predict({n: x[i : i + 1] for n, x in latents.items()}, t[i : i + 1], cond, params) for i in range(3)
-        ]
-    for name in family.latent_streams:
-        single = torch.cat([r[name] for r in rows])
-        assert batched[name].dtype == torch.float32 and batched[name].shape == latents[name].shape
-        diff = (batched[name] - single).abs().max().item()
+    for name, (batched, single) in family_checks.batched_and_rows(family, latents, t, cond, params).items():
+        assert batched.dtype == torch.float32 and batched.shape == latents[name].shape
+        diff = (batched - single).abs().max().item()
         print(f"guidance {guidance} {name}: max |batched - single rows| = {diff:.3e}")
         # Batch-size-dependent kernel rounding (~1e-7), magnified up to 1/sigma = 10x by the
         # pipeline's v -> x0 -> v conversion at the terminal sigma 0.1.
-        assert torch.allclose(batched[name], single, atol=1e-5, rtol=0)
+        assert torch.allclose(batched, single, atol=1e-5, rtol=0)
 
 
 def test_initial_noise_is_per_output_in_the_pipelines_layout(family: LtxFamily, pipe: LTX2Pipeline) -> None:
@@ -234,11 +228,7 @@ def test_conditioning_encoded_once_expands_to_repeated_encodings(family: LtxFami
     assert once.negative is not None and set(once.positive) == set(once.negative) == keys
     assert once.positive["encoder_hidden_states"].shape[:2] == (1, SEQ)
     assert once.positive["encoder_attention_mask"].dtype == torch.float32
-    expanded = once.expand(3)
-    repeated = [family.encode(PROMPT, None, params) for _ in range(3)]
-    for side in ("positive", "negative"):
-        for key, value in getattr(expanded, side).items():
-            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+    family_checks.check_expand_matches_repeated(family, PROMPT, None, params, once)
     # The default negative prompt " " encodes as diffusers' "" (the pipeline strips prompts).
     empty = family.encode(PROMPT, "", params)
     assert torch.equal(empty.negative["encoder_hidden_states"], once.negative["encoder_hidden_states"])

@@ -171,11 +171,9 @@ def test_rows_of_a_batch_are_independent(family: QwenImageFamily, true_cfg) -> N
     x = family.initial_latents(params, _generators(3, 3))["latents"]
     t = family.schedule(params).timesteps[[0, 2, 3]]  # a different step per row, as the trainer mixes them
     cond = family.encode(PROMPT, None, params)
-    with torch.no_grad():
-        batched = family.predict({"latents": x}, t, cond.expand(3), params)["latents"]
-        rows = [family.predict({"latents": x[i : i + 1]}, t[i : i + 1], cond, params)["latents"] for i in range(3)]
+    batched, single = family_checks.batched_and_rows(family, {"latents": x}, t, cond, params)["latents"]
     assert batched.dtype == torch.float32 and batched.shape == x.shape
-    diff = (batched - torch.cat(rows)).abs().max().item()
+    diff = (batched - single).abs().max().item()
     print(f"true_cfg {true_cfg}: max |batched - single rows| = {diff:.3e}")
     assert diff <= 1e-5  # batched matmuls sum in another order; CFG's rescale amplifies it
 
@@ -243,11 +241,7 @@ def test_conditioning_encoded_once_expands_to_repeated_encodings(family: QwenIma
     tokens = int(mask.sum())
     assert mask[0, :tokens].all() and not mask[0, tokens:].any()
     assert not embeds[0, tokens:].any()  # zero padding
-    expanded = once.expand(3)
-    repeated = [family.encode(PROMPT, None, params) for _ in range(3)]
-    for side in ("positive", "negative"):
-        for key, value in getattr(expanded, side).items():
-            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+    family_checks.check_expand_matches_repeated(family, PROMPT, None, params, once)
     # The default negative prompt is " ", and differs from the prompt.
     spaced = family.encode(PROMPT, " ", params)
     assert torch.equal(spaced.negative["encoder_hidden_states"], once.negative["encoder_hidden_states"])

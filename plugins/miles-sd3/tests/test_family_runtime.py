@@ -88,10 +88,7 @@ def test_rows_of_a_batch_are_independent(family: SD3Family, guidance: float) -> 
     schedule = family.schedule(params)
     t = schedule.timesteps[[0, 2, 3]]  # a different step per row, as the trainer mixes them
     cond = family.encode(PROMPT, None, params)
-    with torch.no_grad():
-        batched = family.predict({"latents": x}, t, cond.expand(3), params)["latents"]
-        rows = [family.predict({"latents": x[i : i + 1]}, t[i : i + 1], cond, params)["latents"] for i in range(3)]
-    single = torch.cat(rows)
+    batched, single = family_checks.batched_and_rows(family, {"latents": x}, t, cond, params)["latents"]
     assert batched.dtype == torch.float32 and batched.shape == x.shape
     diff = (batched - single).abs().max().item()
     print(f"guidance {guidance}: max |batched - single rows| = {diff:.3e}")
@@ -138,11 +135,7 @@ def test_conditioning_encoded_once_expands_to_repeated_encodings(family: SD3Fami
     assert once.negative is not None
     assert set(once.positive) == set(once.negative) == {"encoder_hidden_states", "pooled_projections"}
     assert once.positive["encoder_hidden_states"].shape[0] == 1
-    expanded = once.expand(3)
-    repeated = [family.encode(PROMPT, None, params) for _ in range(3)]
-    for side in ("positive", "negative"):
-        for key, value in getattr(expanded, side).items():
-            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+    family_checks.check_expand_matches_repeated(family, PROMPT, None, params, once)
     # The default negative prompt is " " (the reference engine's), and differs from the prompt.
     spaced = family.encode(PROMPT, " ", params)
     assert torch.equal(spaced.negative["pooled_projections"], once.negative["pooled_projections"])

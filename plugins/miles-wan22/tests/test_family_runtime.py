@@ -21,9 +21,9 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanPipeline,
 )
-from miles_wan22 import family as family_module
 from miles_wan22.family import EXPERTS, WAN_DEFAULT_NUM_FRAMES, Wan22Family
 
+import miles_core.family
 from miles_core import family_checks, testing
 from miles_core.engine.request import RequestError, RolloutRequest
 from miles_core.family import GenerationParams
@@ -216,7 +216,7 @@ def test_flow_shift_rebuilds_the_scheduler_with_that_shift(family: Wan22Family, 
 
 
 def test_flow_shift_is_refused_for_a_scheduler_without_shift(family: Wan22Family, monkeypatch) -> None:
-    monkeypatch.setattr(family_module, "flow_shift_key", lambda scheduler: None)
+    monkeypatch.setattr(miles_core.family, "flow_shift_key", lambda scheduler: None)  # check_flow_shift reads it
     with pytest.raises(RequestError, match=r"^extra_sampling_params: flow_shift: the pipeline's UniPCMultistepScheduler has no shift$"):
         _params(family, extra_sampling_params={"guidance_scale_2": 3.0, "flow_shift": 5.0})
 
@@ -247,10 +247,7 @@ def test_rows_of_a_batch_are_independent(family: Wan22Family, guidance: float) -
     x = family.initial_latents(params, _generators(3, 3))["latents"]
     t = torch.tensor([999.0, 900.0, 750.0])  # two rows for the high-noise expert, one for the low-noise one
     cond = family.encode(PROMPT, None, params)
-    with torch.no_grad():
-        batched = family.predict({"latents": x}, t, cond.expand(3), params)["latents"]
-        rows = [family.predict({"latents": x[i : i + 1]}, t[i : i + 1], cond, params)["latents"] for i in range(3)]
-    single = torch.cat(rows)
+    batched, single = family_checks.batched_and_rows(family, {"latents": x}, t, cond, params)["latents"]
     assert batched.dtype == torch.float32 and batched.shape == x.shape
     diff = (batched - single).abs().max().item()
     print(f"guidance {guidance}: max |batched - single rows| = {diff:.3e}")
@@ -334,11 +331,7 @@ def test_conditioning_encoded_once_expands_to_repeated_encodings(family: Wan22Fa
     assert once.negative is not None
     assert set(once.positive) == set(once.negative) == {"encoder_hidden_states"}
     assert once.positive["encoder_hidden_states"].shape == (1, 512, 32)
-    expanded = once.expand(3)
-    repeated = [family.encode(PROMPT, None, params) for _ in range(3)]
-    for side in ("positive", "negative"):
-        for key, value in getattr(expanded, side).items():
-            assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
+    family_checks.check_expand_matches_repeated(family, PROMPT, None, params, once)
     # The pipeline's own encoding of the same prompts.
     with torch.no_grad():  # (autograd picks other kernels: not bit-equal with grad on)
         embeds, neg = pipe.encode_prompt(PROMPT, " ", do_classifier_free_guidance=True, max_sequence_length=512)

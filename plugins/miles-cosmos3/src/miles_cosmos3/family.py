@@ -52,10 +52,12 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    check_flow_shift,
     exact_first_sigma,
-    flow_shift_key,
     per_output_noise,
+    request_extras,
     request_fps,
+    request_max_sequence_length,
     request_size,
     scheduler_copy,
 )
@@ -134,20 +136,9 @@ class Cosmos3Family(ModelFamily):
         fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "Cosmos 3 has no true CFG; use guidance_scale")
-        extra = dict(request.extra_sampling_params)
-        unknown = sorted(set(extra) - {"max_sequence_length", FLOW_SHIFT})
-        if unknown:
-            raise RequestError(
-                "extra_sampling_params",
-                f"Cosmos 3 takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}",
-            )
-        if request.flow_shift is not None and flow_shift_key(self.pipeline.scheduler) is None:
-            raise RequestError(
-                "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no flow shift"
-            )
-        length = extra.get("max_sequence_length", self.max_sequence_length)
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise RequestError("extra_sampling_params", f"max_sequence_length must be a positive integer, got {length!r}")
+        extra = request_extras(request, ("max_sequence_length", FLOW_SHIFT), family="Cosmos 3")
+        check_flow_shift(pipe.scheduler, request.flow_shift, what="flow shift")
+        length = request_max_sequence_length(extra, self.max_sequence_length, None)
         return GenerationParams(
             height=sizes["height"],
             width=sizes["width"],

@@ -28,7 +28,10 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    check_flow_shift,
+    request_extras,
     request_fps,
+    request_max_sequence_length,
     request_size,
     scheduler_copy,
 )
@@ -116,14 +119,8 @@ class LtxFamily(ModelFamily):
         fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "LTX-2 has no true CFG; use guidance_scale")
-        extra = dict(request.extra_sampling_params)
-        unknown = sorted(set(extra) - set(self.extra_keys))
-        if unknown:
-            raise RequestError(
-                "extra_sampling_params", f"LTX-2 takes only {', '.join(self.extra_keys)}, got {', '.join(unknown)}"
-            )
-        if request.flow_shift is not None and "shift" not in pipe.scheduler.config:
-            raise RequestError("extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no shift")
+        extra = request_extras(request, self.extra_keys, family="LTX-2")
+        check_flow_shift(pipe.scheduler, request.flow_shift)
         for key in (_AUDIO_GUIDANCE_SCALE, _GUIDANCE_RESCALE, _AUDIO_GUIDANCE_RESCALE):
             if key not in extra:
                 continue
@@ -135,9 +132,7 @@ class LtxFamily(ModelFamily):
                 raise RequestError("extra_sampling_params", f"{key} must be {rule}, got {value!r}")
             extra[key] = float(value)
         limit = int(self._text_config().get("max_position_embeddings", self.max_sequence_length))
-        length = extra.get(_MAX_SEQUENCE_LENGTH, self.max_sequence_length)
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= limit:
-            raise RequestError("extra_sampling_params", f"max_sequence_length must be an integer in [1, {limit}], got {length!r}")
+        request_max_sequence_length(extra, self.max_sequence_length, limit, _MAX_SEQUENCE_LENGTH)
         extra.pop(FLOW_SHIFT, None)  # travels as GenerationParams.flow_shift
         params = GenerationParams(
             height=sizes["height"],

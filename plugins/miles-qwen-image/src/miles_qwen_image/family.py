@@ -39,7 +39,10 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    check_flow_shift,
     read_component_config,
+    request_extras,
+    request_max_sequence_length,
     request_size,
     scheduler_copy,
 )
@@ -104,23 +107,9 @@ class QwenImageFamily(ModelFamily):
                 f"must be at least 2: the scheduler's shift_terminal {scheduler.config.shift_terminal} "
                 "makes a 1-step schedule NaN",
             )
-        extra = dict(request.extra_sampling_params)
-        unknown = sorted(set(extra) - {"max_sequence_length", FLOW_SHIFT})
-        if unknown:
-            raise RequestError(
-                "extra_sampling_params",
-                f"Qwen-Image takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}",
-            )
-        if request.flow_shift is not None and "shift" not in scheduler.config:
-            raise RequestError(
-                "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(scheduler).__name__} has no shift"
-            )
-        length = extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_SEQUENCE_LIMIT:
-            raise RequestError(
-                "extra_sampling_params",
-                f"max_sequence_length must be an integer in [1, {MAX_SEQUENCE_LIMIT}], got {length!r}",
-            )
+        extra = request_extras(request, ("max_sequence_length", FLOW_SHIFT), family="Qwen-Image")
+        check_flow_shift(scheduler, request.flow_shift)
+        length = request_max_sequence_length(extra, MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LIMIT)
         return GenerationParams(
             height=sizes["height"],
             width=sizes["width"],

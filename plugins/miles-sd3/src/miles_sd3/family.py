@@ -15,8 +15,11 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    check_flow_shift,
     per_output_noise,
     read_component_config,
+    request_extras,
+    request_max_sequence_length,
     request_size,
     scheduler_copy,
 )
@@ -65,17 +68,9 @@ class SD3Family(ModelFamily):
             raise RequestError("num_frames", f"SD3 generates images (1 frame), got {request.num_frames}")
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "SD3 has no true CFG; use guidance_scale")
-        extra = dict(request.extra_sampling_params)
-        unknown = sorted(set(extra) - {"max_sequence_length", FLOW_SHIFT})
-        if unknown:
-            raise RequestError(
-                "extra_sampling_params", f"SD3 takes only max_sequence_length and {FLOW_SHIFT}, got {', '.join(unknown)}"
-            )
-        if request.flow_shift is not None and "shift" not in pipe.scheduler.config:
-            raise RequestError("extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no shift")
-        length = extra.get("max_sequence_length", self.max_sequence_length)
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= 512:
-            raise RequestError("extra_sampling_params", f"max_sequence_length must be an integer in [1, 512], got {length!r}")
+        extra = request_extras(request, ("max_sequence_length", FLOW_SHIFT), family="SD3")
+        check_flow_shift(pipe.scheduler, request.flow_shift)
+        length = request_max_sequence_length(extra, self.max_sequence_length, 512)
         return GenerationParams(
             height=sizes["height"],
             width=sizes["width"],

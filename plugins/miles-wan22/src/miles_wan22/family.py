@@ -25,10 +25,12 @@ from miles_core.family import (
     Latents,
     ModelFamily,
     Schedule,
+    check_flow_shift,
     exact_first_sigma,
-    flow_shift_key,
     per_output_noise,
+    request_extras,
     request_fps,
+    request_max_sequence_length,
     request_size,
     scheduler_copy,
 )
@@ -129,13 +131,7 @@ class Wan22Family(ModelFamily):
         fps = request_fps(request.fps, None)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "Wan 2.2 has no true CFG; use guidance_scale and guidance_scale_2")
-        extra = dict(request.extra_sampling_params)
-        known = {GUIDANCE_SCALE_2, MAX_SEQUENCE_LENGTH, FLOW_SHIFT}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise RequestError(
-                "extra_sampling_params", f"Wan 2.2 takes only {', '.join(sorted(known))}, got {', '.join(unknown)}"
-            )
+        extra = request_extras(request, sorted((GUIDANCE_SCALE_2, MAX_SEQUENCE_LENGTH, FLOW_SHIFT)), family="Wan 2.2")
         resolved: dict[str, Any] = {}
         scale_2 = extra.get(GUIDANCE_SCALE_2)
         if scale_2 is None:
@@ -153,18 +149,10 @@ class Wan22Family(ModelFamily):
         else:
             resolved[GUIDANCE_SCALE_2] = float(scale_2)
         if MAX_SEQUENCE_LENGTH in extra:
-            length = extra[MAX_SEQUENCE_LENGTH]
             limit = pipe.tokenizer.model_max_length if pipe.tokenizer is not None else WAN_MAX_SEQUENCE_LENGTH
-            if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= limit:
-                raise RequestError(
-                    "extra_sampling_params", f"{MAX_SEQUENCE_LENGTH} must be an integer in [1, {limit}], got {length!r}"
-                )
-            resolved[MAX_SEQUENCE_LENGTH] = length
+            resolved[MAX_SEQUENCE_LENGTH] = request_max_sequence_length(extra, None, limit, MAX_SEQUENCE_LENGTH)
         shift = request.flow_shift
-        if shift is not None and not flow_shift_key(pipe.scheduler):
-            raise RequestError(
-                "extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(pipe.scheduler).__name__} has no shift"
-            )
+        check_flow_shift(pipe.scheduler, shift)
         return GenerationParams(
             height=sizes["height"],
             width=sizes["width"],
