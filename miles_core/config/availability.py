@@ -43,7 +43,7 @@ def hardware_notes(config: Config) -> list[str]:
             why = (
                 "this run is a single process on a machine without GPUs"
                 if not gpus
-                else "the single-process trainer of this version does not place work on several GPUs"
+                else "without --use-ray the trainer is one process and places no work on several GPUs"
             )
             notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, "
                          "so it has no effect")

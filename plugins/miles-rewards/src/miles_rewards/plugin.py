@@ -64,8 +64,8 @@ def miles_add_arguments() -> list[Flag]:
     # The reference's reward flags, and the aesthetic reward's; they exist exactly when this
     # plugin is installed. A flag whose feature is not in this version (reward workers) stops
     # a training run when set, instead of being ignored.
-    no_workers = ("reward workers (Ray actors) are not in this version: PickScore scores in the training process, "
-                  "on its GPU when one is visible, else on the CPU")
+    no_workers = ("several PickScore workers are not in this version: PickScore scores in the training process (with "
+                  "--use-ray, on the run's one reward-worker actor), on its GPU when one is visible, else on the CPU")
     return [
         Flag(name="--pickscore-model-path", group="reward", metavar="PATH",
              help="CLIP model of the PickScore reward (hub id or local directory, e.g. yuvalkirstain/PickScore_v1); "
