@@ -38,12 +38,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from miles_sd3.family import SD3Family
-
     from miles_core.engine.fleet import EngineFleet
     from miles_core.engine.http import HttpEngine
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.request import RolloutRequest
     from miles_core.training.weight_sync import engine_weights, sync_to_engine
+    from miles_sd3.family import SD3Family
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     tiny = SD3Family.build_tiny_pipeline(tmp / "stable-diffusion-3-tiny")
@@ -55,8 +54,7 @@ def main() -> None:
         module = SD3Transformer2DModel.from_pretrained(str(Path(tiny) / "transformer"))
         tensors = [t.clone() for _, t in engine_weights(module)]
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
-        base = RolloutRequest(prompt="a red cube", width=64, height=64, num_inference_steps=args.steps,
-                              num_outputs_per_prompt=args.outputs)
+        base = RolloutRequest(prompt="a red cube", width=64, height=64, num_inference_steps=args.steps, num_outputs_per_prompt=args.outputs)
         sync_config = SimpleNamespace(lora_ipc_weight_sync=False, update_weight_buffer_size=int(args.bucket_mb * 2**20))
 
         async def rollout(engine: HttpEngine, round_: int) -> float:
@@ -95,15 +93,16 @@ def main() -> None:
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    print(f"tiny SD3 transformer: {megabytes:.2f} MB; {args.requests} requests x {args.outputs} samples, 64x64, "
-          f"{args.steps} steps; {args.threads} torch thread(s) per engine; median of {args.repeats}")
+    print(
+        f"tiny SD3 transformer: {megabytes:.2f} MB; {args.requests} requests x {args.outputs} samples, 64x64, "
+        f"{args.steps} steps; {args.threads} torch thread(s) per engine; median of {args.repeats}"
+    )
     medians = {key: statistics.median(values) for key, values in times.items()}
     for key, value in medians.items():
         print(f"  {key:<34} {value:.4g}")
     one, two = medians["rollout samples/s, 1 engine(s)"], medians["rollout samples/s, 2 engine(s)"]
     print(f"  2 engines / 1 engine throughput: {two / one:.2f}x")
-    print(f"  weight sync (1 engine) / in-memory copy: "
-          f"{medians['weight sync s/MB, 1 engine(s)'] / medians['in-memory copy s/MB']:.0f}x")
+    print(f"  weight sync (1 engine) / in-memory copy: {medians['weight sync s/MB, 1 engine(s)'] / medians['in-memory copy s/MB']:.0f}x")
 
 
 if __name__ == "__main__":

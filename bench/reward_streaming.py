@@ -82,7 +82,7 @@ def main() -> None:
     from miles_core.rollout.data import load_prompts
     from miles_core.rollout.hooks import build_data_source
     from miles_core.training.metrics_logging import Progress
-    from miles_core.training.run import _RolloutSource
+    from miles_core.training.rollout_scoring import RolloutSource
     from miles_sd3.family import SD3Family
 
     quiet_hub_libraries()
@@ -90,12 +90,29 @@ def main() -> None:
     checkpoint = SD3Family.build_tiny_pipeline(workdir / "tiny-sd3")
     prompts = workdir / "prompts.jsonl"
     prompts.write_text("".join(f'{{"input": "a red cube number {i}"}}\n' for i in range(512)))
-    base = ["--hf-checkpoint", str(checkpoint), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-            "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.n),
-            "--rollout-microgroup-size", str(args.microgroup), "--diffusion-num-steps", str(args.steps),
-            "--diffusion-num-sde-steps", "3", "--diffusion-height", "64", "--diffusion-width", "64"]
-    reward_flags = {"sleep": ["--custom-rm-path", "reward_streaming.standin_rm"],
-                    "jpeg": ["--rm-type", "jpeg_compressibility"]}
+    base = [
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--diffusion-model-family",
+        "sd3",
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        str(args.prompts),
+        "--n-samples-per-prompt",
+        str(args.n),
+        "--rollout-microgroup-size",
+        str(args.microgroup),
+        "--diffusion-num-steps",
+        str(args.steps),
+        "--diffusion-num-sde-steps",
+        "3",
+        "--diffusion-height",
+        "64",
+        "--diffusion-width",
+        "64",
+    ]
+    reward_flags = {"sleep": ["--custom-rm-path", "reward_streaming.standin_rm"], "jpeg": ["--rm-type", "jpeg_compressibility"]}
     engine = None
     counter = iter(range(10**6))
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -105,21 +122,21 @@ def main() -> None:
             config = resolve_config([*base, *reward_flags[reward], *extra])
             engine = engine or EmbeddedEngine.from_config(config)
             records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
-            sources[mode] = _RolloutSource(config, engine, build_data_source(config, records), Progress(enabled=False), 1)
+            sources[mode] = RolloutSource(config, engine, build_data_source(config, records), Progress(enabled=False), 1)
         for source in sources.values():
             one_rollout(source, next(counter))  # warm-up
         times: dict[str, list[dict[str, float]]] = {mode: [] for mode in sources}
         for _ in range(args.repeats):
             for mode, source in sources.items():
                 times[mode].append(one_rollout(source, next(counter)))
-        results[reward] = {
-            mode: {key: statistics.median(t[key] for t in runs) for key in runs[0]} for mode, runs in times.items()
-        }
+        results[reward] = {mode: {key: statistics.median(t[key] for t in runs) for key in runs[0]} for mode, runs in times.items()}
 
     samples = args.prompts * args.n
-    print(f"tiny SD3 64x64, {args.steps} steps, {args.prompts} prompts x {args.n} samples = {samples}, microgroup "
-          f"{args.microgroup} ({samples // args.microgroup} requests), embedded engine, 1 torch thread, median of "
-          f"{args.repeats} (interleaved)")
+    print(
+        f"tiny SD3 64x64, {args.steps} steps, {args.prompts} prompts x {args.n} samples = {samples}, microgroup "
+        f"{args.microgroup} ({samples // args.microgroup} requests), embedded engine, 1 torch thread, median of "
+        f"{args.repeats} (interleaved)"
+    )
     for reward, modes in results.items():
         label = f"sleep stand-in, {args.cost_ms:g} ms/sample, serialised" if reward == "sleep" else "jpeg_compressibility"
         print(f"\nreward: {label}")

@@ -53,14 +53,20 @@ _GROUPS = itertools.count()
 def group_requests(steps: int, microgroup: int):
     """One prompt group, a prompt of its own (as in training: the engine's prompt cache
     saves the encode of every microgroup after the group's first, never the first)."""
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.request import RolloutRequest
 
     prompt = f"{PROMPT} {next(_GROUPS)}"
     return [
         RolloutRequest(
-            prompt=prompt, seed=offset, num_inference_steps=steps, num_outputs_per_prompt=min(microgroup, N_SAMPLES - offset),
-            guidance_scale=4.5, rollout_sde_step_indices=tuple(range(steps - 1)),
-            rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, extra_sampling_params=EXTRA,
+            prompt=prompt,
+            seed=offset,
+            num_inference_steps=steps,
+            num_outputs_per_prompt=min(microgroup, N_SAMPLES - offset),
+            guidance_scale=4.5,
+            rollout_sde_step_indices=tuple(range(steps - 1)),
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+            extra_sampling_params=EXTRA,
         )
         for offset in range(0, N_SAMPLES, microgroup)
     ]
@@ -84,9 +90,21 @@ async def http_group(url: str, requests) -> None:
 def start_server(checkpoint: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint),
-         "--diffusion-model-family", "sd3", "--port", "0"],
-        stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "miles_core.cli.main",
+            "serve-engine",
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--diffusion-model-family",
+            "sd3",
+            "--port",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -100,8 +118,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP measurements")
-    parser.add_argument("--max-sequence-length", type=int, default=None,
-                        help="T5 prompt length (SD3's default 256 pads every prompt; see docs/benchmarks.md)")
+    parser.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="T5 prompt length (SD3's default 256 pads every prompt; see docs/benchmarks.md)",
+    )
     args = parser.parse_args()
     if args.max_sequence_length:
         EXTRA["max_sequence_length"] = args.max_sequence_length
@@ -109,9 +131,9 @@ def main() -> None:
 
     from diffusers import StableDiffusion3Pipeline
 
-    from miles_core.quiet import quiet_hub_libraries
     from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.quiet import quiet_hub_libraries
+    from miles_core.request import RolloutRequest
     from miles_sd3.family import SD3Family
 
     quiet_hub_libraries()
@@ -119,9 +141,7 @@ def main() -> None:
     checkpoint = SD3Family.build_tiny_pipeline(workdir / "tiny-sd3")
     engine = EmbeddedEngine.from_checkpoint(checkpoint, "sd3")
     per_mg: dict[tuple[str, int], float] = {}
-    seconds = interleaved(
-        {mg: (lambda mg=mg: run_group(engine, group_requests(args.steps, mg))) for mg in (1, 2, 4, 8)}, args.repeats
-    )
+    seconds = interleaved({mg: (lambda mg=mg: run_group(engine, group_requests(args.steps, mg))) for mg in (1, 2, 4, 8)}, args.repeats)
     per_mg.update({("embedded", mg): N_SAMPLES / s for mg, s in seconds.items()})
 
     if not args.no_http:
@@ -139,27 +159,44 @@ def main() -> None:
     # Same 8-output batch: plain diffusers call vs the embedded engine recording everything.
     pipe = StableDiffusion3Pipeline.from_pretrained(str(checkpoint))
     pipe.set_progress_bar_config(disable=True)
+
     def fresh_request() -> RolloutRequest:
         return replace(request, prompt=f"{PROMPT} {next(_GROUPS)}")
 
     request = RolloutRequest(
-        prompt=PROMPT, negative_prompt=" ", seed=0, num_inference_steps=args.steps, num_outputs_per_prompt=8,
-        guidance_scale=4.5, rollout_sde_step_indices=tuple(range(args.steps - 1)),
-        rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, extra_sampling_params=EXTRA,
+        prompt=PROMPT,
+        negative_prompt=" ",
+        seed=0,
+        num_inference_steps=args.steps,
+        num_outputs_per_prompt=8,
+        guidance_scale=4.5,
+        rollout_sde_step_indices=tuple(range(args.steps - 1)),
+        rollout_return_dit_trajectory=True,
+        rollout_return_denoising_env=True,
+        extra_sampling_params=EXTRA,
     )
     both = interleaved(
         {
-            "plain": lambda: pipe(f"{PROMPT} {next(_GROUPS)}", negative_prompt=" ", num_images_per_prompt=8, num_inference_steps=args.steps,
-                                  guidance_scale=4.5, output_type="pt", generator=torch.Generator().manual_seed(0),
-                                  max_sequence_length=args.max_sequence_length or 256),
+            "plain": lambda: pipe(
+                f"{PROMPT} {next(_GROUPS)}",
+                negative_prompt=" ",
+                num_images_per_prompt=8,
+                num_inference_steps=args.steps,
+                guidance_scale=4.5,
+                output_type="pt",
+                generator=torch.Generator().manual_seed(0),
+                max_sequence_length=args.max_sequence_length or 256,
+            ),
             "ours": lambda: engine.generate_sync(fresh_request()),
         },
         args.repeats,
     )
     plain, ours = both["plain"], both["ours"]
     length = args.max_sequence_length or 256
-    print(f"tiny SD3, {args.steps} steps, CFG 4.5, T5 length {length}, n_samples_per_prompt {N_SAMPLES}, "
-          f"1 thread, median of {args.repeats} (interleaved)")
+    print(
+        f"tiny SD3, {args.steps} steps, CFG 4.5, T5 length {length}, n_samples_per_prompt {N_SAMPLES}, "
+        f"1 thread, median of {args.repeats} (interleaved)"
+    )
     print(f"{'engine':<10}{'microgroup':>12}{'samples/s':>12}")
     for (kind, microgroup), rate in per_mg.items():
         print(f"{kind:<10}{microgroup:>12}{rate:>12.1f}")

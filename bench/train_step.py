@@ -1,8 +1,8 @@
 """Time of one training step (rollout, reward, train, weight sync), against the pure
 model compute inside it, at two sizes of SD3 pipeline, measured side by side in one run.
 
-A step is one iteration of the real run loop (``miles_core.training.run._rl_rollouts``,
-as ``miles-core train`` runs it): LoRA, Flow-GRPO, the embedded engine,
+A step is one iteration of the real run loop (:func:`miles_core.training.run.prepare_run`
+and :func:`miles_core.training.loops.rollouts`, as ``miles-core train`` runs it): LoRA, Flow-GRPO, the embedded engine,
 jpeg_compressibility. Each step is split into its phases (the loop's own ``perf/*``
 timings; "loop" is the rest of the iteration). Forward hooks on the transformer and the
 VAE decoder record every model call of a step (inputs, batch shape, with or without
@@ -40,10 +40,25 @@ import torch
 COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
 THINGS = ("cube", "ball", "cone", "tree", "house", "cat", "boat", "cup")
 RUN_FLAGS = (
-    "--rollout-batch-size", "2", "--n-samples-per-prompt", "8", "--rollout-microgroup-size", "8",
-    "--diffusion-num-steps", "10", "--diffusion-num-sde-steps", "3",
-    "--micro-batch-size-sample", "8", "--micro-batch-size-tstep", "1", "--num-steps-per-rollout", "2",
-    "--use-lora", "--rm-type", "jpeg_compressibility",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "8",
+    "--rollout-microgroup-size",
+    "8",
+    "--diffusion-num-steps",
+    "10",
+    "--diffusion-num-sde-steps",
+    "3",
+    "--micro-batch-size-sample",
+    "8",
+    "--micro-batch-size-tstep",
+    "1",
+    "--num-steps-per-rollout",
+    "2",
+    "--use-lora",
+    "--rm-type",
+    "jpeg_compressibility",
 )
 PHASES = ("rollout", "reward", "train", "weight sync", "loop")
 
@@ -82,6 +97,7 @@ class CallRecorder:
                 self.counts[key] += 1
                 if key not in self.inputs:
                     self.inputs[key] = (_detached(args), _detached(kwargs))
+
         return hook
 
     def replay(self, key: tuple) -> float:
@@ -111,34 +127,32 @@ def _label(key: tuple) -> str:
 
 
 async def measure(size: str, workdir: Path, prompts: Path, repeats: int, warmup: int, calls_per_round: int) -> dict[str, Any]:
-    from miles_sd3.family import SD3Family
-
     from miles_core.config.resolve import resolve_config
-    from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.plugin_manager import get_host
-    from miles_core.rollout.data import load_prompts
-    from miles_core.training import run
-    from miles_core.training.lr_schedule import from_config as lr_schedule_from_config
-    from miles_core.training.trainer import Trainer
+    from miles_core.training.loops import rollouts
+    from miles_core.training.run import prepare_run
+    from miles_sd3.family import SD3Family
 
     checkpoint = SD3Family.build_tiny_pipeline(workdir / size, scale=size)
     total = warmup + repeats
-    config = resolve_config([
-        "--hf-checkpoint", str(checkpoint), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        *RUN_FLAGS, "--num-rollout", str(total), "--output-dir", str(workdir / f"run-{size}"),
-    ])
-    # As run.train() sets a run up (an RL run on the embedded engine).
-    torch.manual_seed(config.seed)
-    host = get_host()
-    loss_fn = host.registries.loss.get(config.loss_type).load()
-    engine = EmbeddedEngine.from_config(config)
-    backend = host.registries.sde_backend.get(config.diffusion_sde_type).load()
-    trainer = Trainer(engine.family, config, backend, loss_fn)  # shares the engine's modules
-    records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
-    schedule = lr_schedule_from_config(config, total * config.num_steps_per_rollout)
-    out = workdir / f"run-{size}"
-    out.mkdir(parents=True, exist_ok=True)
-    loop = run._rl_rollouts(config, engine, trainer, records, schedule.lr_at, 0, total, out)
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--diffusion-model-family",
+            "sd3",
+            "--prompt-data",
+            str(prompts),
+            *RUN_FLAGS,
+            "--num-rollout",
+            str(total),
+            "--output-dir",
+            str(workdir / f"run-{size}"),
+        ]
+    )
+    # The run as `miles-core train` builds it (an RL run on the embedded engine), stepped here.
+    run = await prepare_run(config, log=lambda line: None, progress=False)
+    engine, trainer = run.engine, run.trainer
+    loop = rollouts(run)
 
     pipe = engine.family.pipeline
     recorder = CallRecorder({"transformer": pipe.transformer, "vae": pipe.vae.decoder})
@@ -162,14 +176,19 @@ async def measure(size: str, workdir: Path, prompts: Path, repeats: int, warmup:
                     per_call.setdefault(key, []).extend(times)
             if round_ >= warmup:
                 rollout, reward, train = (metrics[f"perf/{k}_time"] for k in ("rollout", "reward", "train"))
-                steps.append({
-                    "rollout": rollout, "reward": reward, "train": train,
-                    "weight sync": metrics["perf/step_time"] - rollout - reward - train,
-                    "loop": wall - metrics["perf/step_time"], "total": wall,
-                })
+                steps.append(
+                    {
+                        "rollout": rollout,
+                        "reward": reward,
+                        "train": train,
+                        "weight sync": metrics["perf/step_time"] - rollout - reward - train,
+                        "loop": wall - metrics["perf/step_time"],
+                        "total": wall,
+                    }
+                )
     finally:
         await loop.aclose()
-        await engine.close()
+        await run.close()
     assert counts is not None
     call_time = {key: statistics.median(values) for key, values in per_call.items()}
     model = {phase: 0.0 for phase in (*PHASES, "total")}
@@ -181,16 +200,25 @@ async def measure(size: str, workdir: Path, prompts: Path, repeats: int, warmup:
     wall = {phase: statistics.median(step[phase] for step in steps) for phase in (*PHASES, "total")}
     params = sum(p.numel() for n, p in pipe.transformer.named_parameters() if "lora_" not in n)
     return {
-        "size": size, "params": params, "wall": wall, "model": model, "counts": counts, "call_time": call_time, "repeats": repeats,
-        "resolution": f"{config.diffusion_height}x{config.diffusion_width}", "warmup": warmup,
+        "size": size,
+        "params": params,
+        "wall": wall,
+        "model": model,
+        "counts": counts,
+        "call_time": call_time,
+        "repeats": repeats,
+        "resolution": f"{config.diffusion_height}x{config.diffusion_width}",
+        "warmup": warmup,
         "totals": [step["total"] for step in steps],
     }
 
 
 def report(result: dict[str, Any]) -> None:
     wall, model = result["wall"], result["model"]
-    print(f"\n{result['size']} SD3 ({result['resolution']}, transformer {result['params'] / 1e6:.2f}M parameters), "
-          f"median of {result['repeats']} steps after {result['warmup']} warm-up (interleaved with the model calls)")
+    print(
+        f"\n{result['size']} SD3 ({result['resolution']}, transformer {result['params'] / 1e6:.2f}M parameters), "
+        f"median of {result['repeats']} steps after {result['warmup']} warm-up (interleaved with the model calls)"
+    )
     print(f"{'phase':<13}{'step ms':>10}{'model ms':>10}{'other ms':>10}")
     for phase in (*PHASES, "total"):
         print(f"{phase:<13}{wall[phase] * 1000:>10.1f}{model[phase] * 1000:>10.1f}{(wall[phase] - model[phase]) * 1000:>10.1f}")
@@ -217,22 +245,35 @@ def main() -> None:
         workdir = Path(tmp)
         prompts = workdir / "prompts.jsonl"
         # A prompt of its own for every group of every step, as in training (no encode is cached across steps).
-        prompts.write_text("".join(
-            f'{{"input": "a {a} {thing} next to a {b} {other}"}}\n'
-            for a, thing in zip(COLORS, THINGS) for b in COLORS for other in THINGS[:2]
-        ), encoding="utf-8")
-        print("RL training step: 2 prompts x 8 samples, microgroup 8, 10 steps (3 SDE), CFG 4.0, T5 length 256, "
-              "micro-batch tile 8x1, 2 optimizer steps, LoRA, jpeg_compressibility; 1 thread")
+        prompts.write_text(
+            "".join(
+                f'{{"input": "a {a} {thing} next to a {b} {other}"}}\n'
+                for a, thing in zip(COLORS, THINGS)
+                for b in COLORS
+                for other in THINGS[:2]
+            ),
+            encoding="utf-8",
+        )
+        print(
+            "RL training step: 2 prompts x 8 samples, microgroup 8, 10 steps (3 SDE), CFG 4.0, T5 length 256, "
+            "micro-batch tile 8x1, 2 optimizer steps, LoRA, jpeg_compressibility; 1 thread"
+        )
         for size in args.sizes.split(","):
             bench = size == "bench"
             # At the bench size a step takes most of a minute: no separate warm-up step (the
             # first step's one-off costs are milliseconds; the median drops the slowest step)
             # and one replay per call kind per round. Tiny calls take milliseconds: a warm-up
             # step and several replays per round, for steadier medians.
-            result = asyncio.run(measure(
-                size, workdir, prompts, args.bench_repeats if bench else args.repeats,
-                warmup=0 if bench else 1, calls_per_round=1 if bench else 5,
-            ))
+            result = asyncio.run(
+                measure(
+                    size,
+                    workdir,
+                    prompts,
+                    args.bench_repeats if bench else args.repeats,
+                    warmup=0 if bench else 1,
+                    calls_per_round=1 if bench else 5,
+                )
+            )
             report(result)
     print(f"\nbenchmark took {time.perf_counter() - began:.0f} s")
 

@@ -67,11 +67,14 @@ def miles_register_losses() -> list[LossSpec]:
             name="nft",
             ref="miles_core.losses:nft",
             description="DiffusionNFT: likelihood-free, on the forward process",
+            trains_on="nft_pairs",
+            keeps_ema=True,
         ),
         LossSpec(
             name="sft_loss",
             ref="miles_core.losses:sft",
             description="Supervised flow-matching loss on data (x0) samples",
+            trains_on="supervised_rows",
         ),
         LossSpec(
             name="custom_loss",

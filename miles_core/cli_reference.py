@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from miles_core.config.flag import GROUPS
 from miles_core.config.model import FlagEntry
@@ -41,11 +41,17 @@ def _type_text(entry: FlagEntry, registry_names: dict[str, list[str]]) -> str:
         return f"{flag.registry} name ({', '.join(names)})" if names else f"{flag.registry} name"
     if flag.choices:
         return " / ".join(flag.choices)
-    kind = {"bool": "flag", "tristate": "on/off (`--no-` form)", "json": "JSON object",
-            "int_list": "int list", "int_pair": "int pair"}.get(flag.type, flag.type)
+    kind = {"bool": "flag", "tristate": "on/off (`--no-` form)", "json": "JSON object", "int_list": "int list", "int_pair": "int pair"}.get(
+        flag.type, flag.type
+    )
     if flag.path_kind:
         kind = f"dotted path ({flag.path_kind.replace('_', ' ')})"
-    return f"{kind}, repeatable" if flag.nargs else kind
+    if flag.nargs:
+        kind = f"{kind}, repeatable"
+    if flag.value_range is not None:
+        several = flag.nargs or flag.type in ("int_list", "int_pair")
+        kind = f"{kind}{', each' if several else ''} in `{flag.value_range}`"
+    return kind
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
@@ -74,7 +80,10 @@ def render(host: PluginHost) -> str:
     add_score_arguments(scoring)
     out += [
         "### `miles-core score`\n",
-        "```text", _usage(scoring), "```", "",
+        "```text",
+        _usage(scoring),
+        "```",
+        "",
         "Also takes every training flag below; the reward flags (`--rm-type`, `--reward-weights`, "
         "`--custom-rm-path`, `--reward-key`, `--group-rm`, the rewards' own flags, "
         "`--custom-config-path`) choose the reward, and `--prompt-data`, `--input-key` and "
@@ -97,6 +106,11 @@ def render(host: PluginHost) -> str:
         "one-line summary per rollout to the console.",
         "",
         "## Training flags\n",
+        "A numeric flag's type shows its valid range as an interval: `[` and `]` include the "
+        "bound, `(` and `)` exclude it, and `(-inf, inf)` means any finite number (each value, "
+        "for a list or a pair). A value outside it, from the command line or "
+        "`--custom-config-path`, is a configuration error naming the flag (exit status 2).",
+        "",
     ]
     by_title: dict[str, list[FlagEntry]] = {}
     order = {key: i for i, key in enumerate(GROUPS)}
@@ -109,11 +123,13 @@ def render(host: PluginHost) -> str:
             names = ", ".join(f"`{n}`" for n in (flag.name, *flag.aliases))
             if flag.type == "tristate":
                 names += f", `--no-{flag.name[2:]}`"
-            status = " *Hardware-only (see below).*" if flag.hardware else (
-                " *Not available in this version (see below).*" if flag.unavailable else "")
+            status = (
+                " *Hardware-only (see below).*"
+                if flag.hardware
+                else (" *Not available in this version (see below).*" if flag.unavailable else "")
+            )
             out.append(
-                f"| {names} | {_cell(_type_text(entry, registry_names))} | `{_cell(default_text(flag))}` "
-                f"| {_cell(flag.help)}{status} |"
+                f"| {names} | {_cell(_type_text(entry, registry_names))} | `{_cell(default_text(flag))}` | {_cell(flag.help)}{status} |"
             )
         out.append("")
     differing = [e for e in entries.values() if e.flag.differs]

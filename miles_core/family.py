@@ -1,4 +1,4 @@
-"""The model-family contract (DESIGN section 4).
+"""The model-family contract (docs/design.md, "The family contract").
 
 A family plugin registers a :class:`~miles_core.specs.ModelFamilySpec` whose ``ref``
 names a :class:`ModelFamily` subclass. The class side loads pipelines, builds tiny ones
@@ -16,15 +16,16 @@ from __future__ import annotations
 import abc
 import importlib
 import json
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.request import RolloutRequest
 
 Latents = dict[str, "torch.Tensor"]
 """Named latent streams, batch first (``{"latents": x}``; LTX-2 adds ``audio_latents``)."""
@@ -63,6 +64,7 @@ class Conditioning:
 
     def expand(self, n: int) -> Conditioning:
         """Repeat every row ``n`` times (``repeat_interleave``), for ``n`` outputs."""
+
         def rep(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
             return None if tensors is None else {k: v.repeat_interleave(n, dim=0) for k, v in tensors.items()}
 
@@ -70,6 +72,7 @@ class Conditioning:
 
     def row(self, i: int) -> Conditioning:
         """Output ``i``'s conditioning, batch 1."""
+
         def take(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
             return None if tensors is None else {k: v[i : i + 1] for k, v in tensors.items()}
 
@@ -141,7 +144,7 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
         """Fill the request's unset sizes and options with the pipeline's defaults and
-        check them; a bad value raises :class:`~miles_core.engine.request.RequestError`
+        check them; a bad value raises :class:`~miles_core.request.RequestError`
         naming the field."""
 
     @abc.abstractmethod
@@ -230,7 +233,14 @@ class ModelFamily(abc.ABC):
     @classmethod
     def load_pipeline(cls, checkpoint: str | Path, *, dtype: Any = None, **kwargs: Any) -> DiffusionPipeline:
         """Load the family's pipeline with ``from_pretrained`` from a local directory or
-        hub id (``model_index.json`` layout)."""
+        hub id (``model_index.json`` layout). A local path that does not exist is a
+        :class:`~miles_core.errors.CheckpointError` saying so, not a hub lookup."""
+        from miles_core.errors import CheckpointError
+        from miles_core.family_match import checkpoint_problem
+
+        problem = checkpoint_problem(checkpoint)
+        if problem is not None:
+            raise CheckpointError(f"{cls.__name__}: checkpoint {problem}")
         pipeline_cls = cls.resolve_pipeline_class()
         if dtype is not None:
             kwargs["dtype"] = dtype  # diffusers' name since 0.36 (torch_dtype is deprecated)
@@ -294,13 +304,14 @@ def exact_first_sigma(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas
 
 
-def request_size(name: str, value: int | None, default: int, multiple: int, *, rule: str = "",
-                 limit: int | None = None, limit_rule: str = "") -> int:
+def request_size(
+    name: str, value: int | None, default: int, multiple: int, *, rule: str = "", limit: int | None = None, limit_rule: str = ""
+) -> int:
     """A request's ``height`` or ``width`` for :meth:`ModelFamily.resolve_params`:
     ``default`` when unset; it must be a multiple of ``multiple`` (``rule``: why, appended
     to the message) and at most ``limit`` when one is given (``limit_rule`` likewise).
-    :class:`~miles_core.engine.request.RequestError` naming the field otherwise."""
-    from miles_core.engine.request import RequestError
+    :class:`~miles_core.request.RequestError` naming the field otherwise."""
+    from miles_core.errors import RequestError
 
     value = default if value is None else value
     if value % multiple:
@@ -313,8 +324,8 @@ def request_size(name: str, value: int | None, default: int, multiple: int, *, r
 def request_extras(request: Any, known: Sequence[str], *, family: str) -> dict[str, Any]:
     """A copy of the request's ``extra_sampling_params`` once every key is one of
     ``known`` (listed in the message in the order given); a
-    :class:`~miles_core.engine.request.RequestError` naming the family otherwise."""
-    from miles_core.engine.request import RequestError
+    :class:`~miles_core.request.RequestError` naming the family otherwise."""
+    from miles_core.errors import RequestError
 
     extra = dict(request.extra_sampling_params)
     unknown = sorted(set(extra) - set(known))
@@ -327,17 +338,17 @@ def request_extras(request: Any, known: Sequence[str], *, family: str) -> dict[s
 def check_flow_shift(scheduler: Any, flow_shift: float | None, *, what: str = "shift") -> None:
     """Refuse a requested flow shift the pipeline's scheduler has no option for (see
     :func:`flow_shift_key`)."""
-    from miles_core.engine.request import FLOW_SHIFT, RequestError
+    from miles_core.errors import RequestError
+    from miles_core.request import FLOW_SHIFT
 
     if flow_shift is not None and flow_shift_key(scheduler) is None:
         raise RequestError("extra_sampling_params", f"{FLOW_SHIFT}: the pipeline's {type(scheduler).__name__} has no {what}")
 
 
-def request_max_sequence_length(extra: Mapping[str, Any], default: int | None, limit: int | None,
-                                key: str = "max_sequence_length") -> int:
+def request_max_sequence_length(extra: Mapping[str, Any], default: int | None, limit: int | None, key: str = "max_sequence_length") -> int:
     """``extra[key]`` (``default`` when absent): an integer in ``[1, limit]``, or any
     positive integer without a ``limit``."""
-    from miles_core.engine.request import RequestError
+    from miles_core.errors import RequestError
 
     length = extra.get(key, default)
     valid = not isinstance(length, bool) and isinstance(length, int) and length >= 1 and (limit is None or length <= limit)
@@ -349,10 +360,10 @@ def request_max_sequence_length(extra: Mapping[str, Any], default: int | None, l
 
 def request_fps(value: float | None, default: float | None) -> float | None:
     """A request's ``fps``: ``default`` when unset, else a finite number above 0
-    (:class:`~miles_core.engine.request.RequestError` otherwise)."""
+    (:class:`~miles_core.request.RequestError` otherwise)."""
     import math
 
-    from miles_core.engine.request import RequestError
+    from miles_core.errors import RequestError
 
     if value is None:
         return default

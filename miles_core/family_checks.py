@@ -1,4 +1,4 @@
-"""Contract checks every model family's test suite runs (DESIGN section 4), on the
+"""Contract checks every model family's test suite runs (docs/design.md, "The family contract"), on the
 family's tiny pipeline.
 
 A family plugin's tests call these instead of re-deriving them; each check raises
@@ -18,8 +18,9 @@ so a test can print it. They generalise what the SD3 tests pin:
 - :func:`check_generate_writes`: ``miles-core generate`` writes readable files (PNG for
   images; MP4 for videos when an encoder is installed, else an animated GIF).
 
-The family is found from the checkpoint's name as the configuration does; pass
-``family=`` only when the name matches no pattern. Import-light: torch, diffusers and the
+The family is matched from the checkpoint as the configuration does (its
+``model_index.json``, else its name); pass ``family=`` only when that finds none.
+Import-light: torch, diffusers and the
 training code are imported inside the functions.
 """
 
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles_core.engine.request import RolloutRequest
     from miles_core.family import ModelFamily
+    from miles_core.request import RolloutRequest
 
 PROMPTS = ("a red cube", "a blue ball", "a green tree")
 """The prompts of :func:`tiny_train_args`' prompt file."""
@@ -75,12 +77,34 @@ def tiny_train_args(checkpoint: str | Path, out_dir: str | Path, *extra: str, fa
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": p}) + "\n" for p in PROMPTS), encoding="utf-8")
     return [
-        "--hf-checkpoint", str(checkpoint), *_family_flags(family), "--prompt-data", str(prompts),
-        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-        "--rollout-microgroup-size", str(tiny_microgroup(checkpoint, family)),
-        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", "--rm-type", "brightness",
-        "--use-lora", "--lora-rank", "4", "--num-rollout", "2", "--diffusion-forward-dtype", "fp32",
-        "--deterministic-mode", "--output-dir", str(out), *extra,
+        "--hf-checkpoint",
+        str(checkpoint),
+        *_family_flags(family),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "1",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-microgroup-size",
+        str(tiny_microgroup(checkpoint, family)),
+        "--diffusion-num-steps",
+        "3",
+        "--diffusion-num-sde-steps",
+        "2",
+        "--rm-type",
+        "brightness",
+        "--use-lora",
+        "--lora-rank",
+        "4",
+        "--num-rollout",
+        "2",
+        "--diffusion-forward-dtype",
+        "fp32",
+        "--deterministic-mode",
+        "--output-dir",
+        str(out),
+        *extra,
     ]
 
 
@@ -129,8 +153,12 @@ def check_alignment_probe(args: Sequence[str]) -> dict[str, Any]:
     for record in records:
         where = f"rollout {record.get('rollout_id')}"
         assert record.get("train/num_pairs", 0) > 0, f"{where}: the probe trained no pair: {record}"
-        for key in ("train/log_prob_mean_abs_diff", "train/log_prob_max_abs_diff",
-                    "train/model_output_mean_abs_diff", "train/model_output_max_abs_diff"):
+        for key in (
+            "train/log_prob_mean_abs_diff",
+            "train/log_prob_max_abs_diff",
+            "train/model_output_mean_abs_diff",
+            "train/model_output_max_abs_diff",
+        ):
             assert key in record, f"{where}: {key} is missing (is --diffusion-debug-mode reaching the engine?)"
             assert record[key] == 0.0, f"{where}: {key} = {record[key]!r}, expected exactly 0 (engine/trainer drift)"
         drift = {k: v for k, v in record.items() if k.startswith("train/log_prob_abs_diff_step_") and v != 0.0}
@@ -149,8 +177,7 @@ def _max_diff(a: Any, b: Any, what: str) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def check_expand_matches_repeated(family: ModelFamily, prompt: str, negative: str | None, params: Any,
-                                  once: Any, count: int = 3) -> None:
+def check_expand_matches_repeated(family: ModelFamily, prompt: str, negative: str | None, params: Any, once: Any, count: int = 3) -> None:
     """``once`` (the family's encoding of ``prompt`` / ``negative``) expanded to ``count``
     outputs equals ``count`` separate encodings, tensor by tensor on both sides: the
     engine encodes a prompt once per request."""
@@ -166,8 +193,7 @@ def check_expand_matches_repeated(family: ModelFamily, prompt: str, negative: st
             assert torch.equal(value, torch.cat([getattr(r, side)[key] for r in repeated])), (side, key)
 
 
-def batched_and_rows(family: ModelFamily, latents: dict[str, Any], t: Any, cond: Any, params: Any
-                     ) -> dict[str, tuple[Any, Any]]:
+def batched_and_rows(family: ModelFamily, latents: dict[str, Any], t: Any, cond: Any, params: Any) -> dict[str, tuple[Any, Any]]:
     """Per latent stream, the prediction for a batch of rows (each its own timestep, the
     conditioning expanded) and the row-by-row predictions concatenated: the trainer mixes
     rows of different samples and steps in one micro-batch, so the two must agree."""
@@ -176,8 +202,7 @@ def batched_and_rows(family: ModelFamily, latents: dict[str, Any], t: Any, cond:
     count = int(t.shape[0])
     with torch.no_grad():
         batched = family.predict(latents, t, cond.expand(count), params)
-        rows = [family.predict({n: x[i : i + 1] for n, x in latents.items()}, t[i : i + 1], cond, params)
-                for i in range(count)]
+        rows = [family.predict({n: x[i : i + 1] for n, x in latents.items()}, t[i : i + 1], cond, params) for i in range(count)]
     return {name: (batched[name], torch.cat([row[name] for row in rows])) for name in family.latent_streams}
 
 
@@ -224,14 +249,16 @@ def check_multi_output_invariant(family: ModelFamily, request: RolloutRequest, *
     for i in range(1, m):
         spread = _max_diff(batch[0].generated_output, batch[i].generated_output, f"outputs 0 and {i}")
         assert spread > atol, (
-            f"outputs 0 and {i} of one request are identical (max |diff| = {spread:.3e}): the outputs do not get "
-            "their own noise"
+            f"outputs 0 and {i} of one request are identical (max |diff| = {spread:.3e}): the outputs do not get their own noise"
         )
     return worst
 
 
 def check_training_reaches_components(
-    checkpoint: str | Path, *extra: str, family: str | None = None, frozen: Sequence[str] = (),
+    checkpoint: str | Path,
+    *extra: str,
+    family: str | None = None,
+    frozen: Sequence[str] = (),
 ) -> dict[str, float]:
     """Build the trainer on the tiny pipeline with LoRA on every declared trainable
     component (``--update-weight-target-module`` = the spec's ``trainable_components``),
@@ -250,17 +277,43 @@ def check_training_reaches_components(
     from miles_core.training.trainer import Trainer
 
     spec = _family_spec(checkpoint, family)
-    config = _resolve_for_training([
-        "--hf-checkpoint", str(checkpoint), *_family_flags(family), "--rollout-batch-size", "1",
-        "--n-samples-per-prompt", "2", "--rollout-microgroup-size", str(tiny_microgroup(checkpoint, family)),
-        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", "--use-lora", "--lora-rank", "4",
-        "--lr", "1e-2", "--num-steps-per-rollout", "1", "--diffusion-forward-dtype", "fp32",
-        "--update-weight-target-module", ",".join(spec.trainable_components), *extra,
-    ])
+    config = _resolve_for_training(
+        [
+            "--hf-checkpoint",
+            str(checkpoint),
+            *_family_flags(family),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-microgroup-size",
+            str(tiny_microgroup(checkpoint, family)),
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--use-lora",
+            "--lora-rank",
+            "4",
+            "--lr",
+            "1e-2",
+            "--num-steps-per-rollout",
+            "1",
+            "--diffusion-forward-dtype",
+            "fp32",
+            "--update-weight-target-module",
+            ",".join(spec.trainable_components),
+            *extra,
+        ]
+    )
     engine = create_engine(config)
     host = get_host()
-    trainer = Trainer(engine.family, config, host.registries.sde_backend.get(config.diffusion_sde_type).load(),
-                      host.registries.loss.get(config.loss_type).load())
+    trainer = Trainer(
+        engine.family,
+        config,
+        host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+        host.registries.loss.get(config.loss_type).load(),
+    )
     components = engine.family.components()
     everything = {f"{c}.{n}": p for c, module in components.items() for n, p in module.named_parameters()}
     for prefix in frozen:
@@ -269,13 +322,12 @@ def check_training_reaches_components(
         )
     watched = {n for n in everything if any(n.startswith(p) for p in frozen)}
     trainable = trainer.named_trainable()
-    assert not watched & set(trainable), (
-        f"parameters under the frozen prefixes are trainable: {sorted(watched & set(trainable))[:5]}"
-    )
+    assert not watched & set(trainable), f"parameters under the frozen prefixes are trainable: {sorted(watched & set(trainable))[:5]}"
     before = {n: p.detach().clone() for n, p in everything.items() if n in trainable or n in watched}
 
-    groups = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord(PROMPTS[0])],
-                                          strategy_from_config(config)))
+    groups = asyncio.run(
+        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord(PROMPTS[0])], strategy_from_config(config))
+    )
     samples = [s for group in groups for s in group]
     advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(samples))])
     metrics = trainer.train_rollout(samples, advantages)
@@ -310,8 +362,7 @@ def check_training_reaches_components(
                 names = [n for n in trainable if any(n.startswith(f"{component}.{m}.lora_") for m in matched)]
                 assert names, f"LoRA target {target!r} of {component}: no trainable LoRA parameter"
                 assert grad_norm(names) > 0, (
-                    f"LoRA target {target!r} of {component}: zero gradient after one step on all {len(matched)} "
-                    f"module(s) it wraps"
+                    f"LoRA target {target!r} of {component}: zero gradient after one step on all {len(matched)} module(s) it wraps"
                 )
                 assert changed(names), f"LoRA target {target!r} of {component}: unchanged after the optimizer step"
                 reached[target].append(component)
@@ -332,8 +383,22 @@ def check_generate_writes(checkpoint: str | Path, out_dir: str | Path, *extra: s
     from miles_core.cli import generate
 
     out = Path(out_dir)
-    argv = ["--hf-checkpoint", str(checkpoint), *_family_flags(family), "--prompt", PROMPTS[0], "--num-outputs", "2",
-            "--num-inference-steps", "2", "--seed", "0", "--out", str(out), *extra]
+    argv = [
+        "--hf-checkpoint",
+        str(checkpoint),
+        *_family_flags(family),
+        "--prompt",
+        PROMPTS[0],
+        "--num-outputs",
+        "2",
+        "--num-inference-steps",
+        "2",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+        *extra,
+    ]
     try:
         status = generate.run(argv)
     except SystemExit as exc:  # the parser's one-line error
@@ -348,12 +413,11 @@ def check_generate_writes(checkpoint: str | Path, out_dir: str | Path, *extra: s
     for path in files:
         assert path.suffix in (".png", ".mp4", ".gif"), f"{path.name}: unexpected file type"
         assert path.suffix != (".gif" if encoder else ".mp4"), (
-            f"{path.name}: videos are MP4 when an encoder is installed and GIF otherwise "
-            f"(encoder installed: {encoder})"
+            f"{path.name}: videos are MP4 when an encoder is installed and GIF otherwise (encoder installed: {encoder})"
         )
         try:
-            frames = _read_frames(path)
-        except Exception as exc:  # noqa: BLE001 - any reader failure means an unreadable file
+            frames = read_frames(path)
+        except Exception as exc:
             raise AssertionError(f"{path.name}: cannot be read back ({type(exc).__name__}: {exc})") from None
         assert frames >= 1, f"{path.name}: no frame"
         if path.suffix == ".png":
@@ -361,7 +425,7 @@ def check_generate_writes(checkpoint: str | Path, out_dir: str | Path, *extra: s
     return files
 
 
-def _read_frames(path: Path) -> int:
+def read_frames(path: Path) -> int:
     """The number of frames of an image or video file, read back."""
     if path.suffix == ".mp4":
         import imageio.v3 as iio

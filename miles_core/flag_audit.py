@@ -12,8 +12,8 @@ walk those attributes. Plugin suites can run the same audit over their own flags
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from miles_core.config.flag import Flag
 
@@ -87,8 +87,7 @@ def audit_flags(flags: Iterable[Flag], exercised: Mapping[str, list[str]]) -> li
     flags = list(flags)
     known = {name for flag in flags for name in (flag.name, *flag.aliases)}
     problems = [
-        f"{flag.name}: no test is marked @pytest.mark.exercises({flag.name!r}), and the flag is neither "
-        "hardware-only nor unavailable"
+        f"{flag.name}: no test is marked @pytest.mark.exercises({flag.name!r}), and the flag is neither hardware-only nor unavailable"
         for flag in flags
         if not (flag.hardware or flag.unavailable) and flag.name not in exercised
     ]

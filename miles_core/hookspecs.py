@@ -14,7 +14,8 @@ implementation, so a misspelt hook name is reported instead of silently ignored.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pluggy
 

@@ -1,4 +1,4 @@
-"""Training losses (DESIGN section 7): Flow-GRPO's clipped policy loss, DiffusionNFT and
+"""Training losses (docs/design.md, "Advantages, losses and the EMA"): Flow-GRPO's clipped policy loss, DiffusionNFT and
 SFT as pure functions on tensors, plus the ``--loss-type`` adapters.
 
 Every adapter follows one protocol, ``loss(batch, config) -> (loss, metrics)``: ``batch``
@@ -70,10 +70,7 @@ def flow_grpo_loss(
     factor (for cps it is ``σ'·sin(ηπ/2)``, which is also the transition std).
     """
     if log_prob.shape != old_log_prob.shape:
-        raise ValueError(
-            f"flow_grpo_loss: log_prob shape {tuple(log_prob.shape)} != old_log_prob shape "
-            f"{tuple(old_log_prob.shape)}"
-        )
+        raise ValueError(f"flow_grpo_loss: log_prob shape {tuple(log_prob.shape)} != old_log_prob shape {tuple(old_log_prob.shape)}")
     adv = torch.clamp(advantages.to(log_prob.dtype), -adv_clip_max, adv_clip_max)
     delta = log_prob - old_log_prob.detach()
     ratio = torch.exp(delta)
@@ -172,9 +169,7 @@ def _need(batch: Mapping[str, Tensor], key: str, loss_name: str) -> Tensor:
     try:
         return batch[key]
     except KeyError:
-        raise KeyError(
-            f"{loss_name} loss needs batch key {key!r}; the batch has {sorted(batch)}"
-        ) from None
+        raise KeyError(f"{loss_name} loss needs batch key {key!r}; the batch has {sorted(batch)}") from None
 
 
 def _flag(config: Any, name: str, loss_name: str) -> Any:
@@ -222,29 +217,23 @@ def sft(batch: Mapping[str, Tensor], config: Any) -> tuple[Tensor, Metrics]:
 
 
 @functools.cache
-def _resolve(path: str) -> LossFn:
+def resolve_custom_loss(path: str) -> LossFn:
     """Import ``pkg.mod.func`` or ``pkg.mod:func`` once per path."""
     if ":" in path:
         module_name, _, attr_path = path.partition(":")
     else:
         module_name, _, attr_path = path.rpartition(".")
     if not module_name or not attr_path:
-        raise ValueError(
-            f"--custom-loss-function-path {path!r} must look like 'pkg.mod.func' or 'pkg.mod:func'"
-        )
+        raise ValueError(f"--custom-loss-function-path {path!r} must look like 'pkg.mod.func' or 'pkg.mod:func'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(
-            f"--custom-loss-function-path {path!r}: cannot import {module_name!r}: {exc}"
-        ) from exc
+        raise ValueError(f"--custom-loss-function-path {path!r}: cannot import {module_name!r}: {exc}") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(
-                f"--custom-loss-function-path {path!r}: {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+            raise ValueError(f"--custom-loss-function-path {path!r}: {module_name!r} has no attribute {attr_path!r}") from None
     if not callable(obj):
         raise ValueError(f"--custom-loss-function-path {path!r} is not callable")
     return obj
@@ -256,11 +245,9 @@ def custom_loss(batch: Mapping[str, Tensor], config: Any) -> tuple[Tensor, Metri
     path = getattr(config, "custom_loss_function_path", None)
     if not path:
         raise ValueError("--loss-type custom_loss needs --custom-loss-function-path (pkg.mod:func)")
-    result = _resolve(str(path))(batch, config)
+    result = resolve_custom_loss(str(path))(batch, config)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor)):
-        raise TypeError(
-            f"custom loss {path!r} must return (loss_tensor, metrics_dict), got {type(result).__name__}"
-        )
+        raise TypeError(f"custom loss {path!r} must return (loss_tensor, metrics_dict), got {type(result).__name__}")
     return result
 
 

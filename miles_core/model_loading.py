@@ -1,7 +1,8 @@
 """The one place a run's model family is loaded.
 
-The class is the registered family's (``--diffusion-model-family`` or matched from the
-checkpoint name) or the ``--train-pipeline-config-path`` class; ``--model-backend-path``
+The class is the registered family's (``--diffusion-model-family``, or matched from the
+checkpoint's ``model_index.json`` and name by :mod:`miles_core.family_match` while the
+configuration is resolved) or the ``--train-pipeline-config-path`` class; ``--model-backend-path``
 replaces the loader; ``--sft-encoder-checkpoint`` supplies an SFT run's encoders. The
 model goes to the machine's device (a GPU when one is visible) in
 ``--diffusion-forward-dtype``. The embedded engine and the trainer both load through
@@ -48,12 +49,12 @@ def load_family(config: Any) -> ModelFamily:
     from miles_core.family import ModelFamily
 
     if config.model_backend_path:
-        from miles_core.rollout.hooks import load_hook
+        from miles_core.refs import load_hook
 
         hook = load_hook("--model-backend-path", config.model_backend_path, "model_backend")
         family = hook.fn(config)
         if not isinstance(family, ModelFamily):
-            from miles_core.training.run import RunError
+            from miles_core.errors import RunError
 
             raise RunError(
                 f"{hook.where}: must return a miles_core.family.ModelFamily instance (wrap a pipeline as "
@@ -61,9 +62,65 @@ def load_family(config: Any) -> ModelFamily:
             )
         return family
     if config.get("sft_encoder_checkpoint"):
-        from miles_core.training.sft import load_sft_family
-
         return load_sft_family(config)
     return family_class(config).from_pretrained(
         config.hf_checkpoint, device=model_device(), dtype=torch_dtype(config.diffusion_forward_dtype)
     )
+
+
+# -- --sft-encoder-checkpoint: an SFT run's encoders from another pipeline ----------------
+
+_ENCODER_PREFIXES = ("tokenizer", "text_encoder")
+
+
+def encoder_components(pipeline_cls: type) -> list[str]:
+    """The pipeline's tokenizers, text encoders and VAE(s), by ``__init__`` argument name
+    (SD3: ``tokenizer``..``tokenizer_3``, ``text_encoder``..``text_encoder_3``, ``vae``)."""
+    import inspect
+
+    names = [name for name in inspect.signature(pipeline_cls.__init__).parameters if name != "self"]
+    return [n for n in names if n.startswith(_ENCODER_PREFIXES) or n == "vae" or n.endswith("_vae")]
+
+
+def load_sft_family(config: Any) -> Any:
+    """The model family of an SFT run: ``--hf-checkpoint``'s pipeline, whose tokenizers,
+    text encoders and VAE come from ``--sft-encoder-checkpoint`` when it is set (passed
+    to diffusers' ``from_pretrained`` as component overrides, so the transformer
+    checkpoint's own copies are never loaded and may be absent). The encoder checkpoint
+    must be a local diffusers directory listing every such component in its
+    ``model_index.json`` (``[null, null]`` there means "none", e.g. SD3 without T5) with
+    a folder for each listed one; otherwise a one-line error names what is missing."""
+    import json
+    from pathlib import Path
+
+    from miles_core.errors import RunError
+
+    dtype = torch_dtype(config.diffusion_forward_dtype)
+    device = model_device()
+    family_cls = family_class(config)
+    if not config.sft_encoder_checkpoint:
+        return family_cls.from_pretrained(config.hf_checkpoint, device=device, dtype=dtype)
+    flag = f"--sft-encoder-checkpoint {config.sft_encoder_checkpoint}"
+    root = Path(config.sft_encoder_checkpoint)
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise RunError(f"{flag}: not a local diffusers pipeline directory (no model_index.json)")
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{flag}: unreadable model_index.json ({exc})".replace("\n", " ")) from None
+    pipeline_cls = family_cls.resolve_pipeline_class()
+    wanted = encoder_components(pipeline_cls)
+    absent = [n for n in wanted if isinstance(index.get(n), list) and index[n][:1] == [None]]
+    missing = [n for n in wanted if n not in index or (n not in absent and not (root / n).is_dir())]
+    if missing:
+        raise RunError(f"{flag}: lacks {', '.join(missing)} (each of {', '.join(wanted)} needs a model_index.json entry and a folder)")
+    # Load only the encoders: every other component the directory lists is passed as None.
+    others = [n for n in index if not n.startswith("_") and n not in wanted]
+    try:
+        source = family_cls.load_pipeline(root, dtype=dtype, **{n: None for n in others})
+    except (OSError, ValueError, TypeError) as exc:
+        raise RunError(f"{flag}: cannot load its encoders ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+    encoders = {n: getattr(source, n) for n in wanted}
+    pipeline = family_cls.load_pipeline(config.hf_checkpoint, dtype=dtype, **encoders)
+    return family_cls(pipeline, device=device, dtype=dtype)

@@ -13,20 +13,22 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+# The stdlib's importlib.metadata has everything needed from Python 3.10 on
+# (selectable entry points, EntryPoint.dist), so the backport is not a dependency.
+from importlib import metadata
 from types import ModuleType
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import pluggy
 
 from miles_core import hookspecs
 from miles_core.config.flag import Flag
-from miles_core.registry import PluginInfo, Registration, RegistrationConflict, Registries
-from miles_core.specs import SPEC_TYPES, Spec
-
-# The stdlib's importlib.metadata has everything needed from Python 3.10 on
-# (selectable entry points, EntryPoint.dist), so the backport is not a dependency.
-from importlib import metadata
+from miles_core.errors import PluginContractError, PluginLoadError, RegistrationConflict
+from miles_core.registry import PluginInfo, Registration, Registries
+from miles_core.specs import SPEC_TYPES, LossSpec, Spec
 
 CORE_PLUGIN = "core"
 """Entry-point name of the core's own built-ins (miles_core.builtins)."""
@@ -41,10 +43,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "miles_register_rollout_engines": "rollout_engine",
 }
 """Registration hook -> registry kind."""
-
-
-class PluginLoadError(RuntimeError):
-    """A plugin that could not be loaded, raised in strict mode."""
 
 
 class PluginLoadWarning(UserWarning):
@@ -170,7 +168,7 @@ class PluginHost:
         except Exception as exc:
             self.pm.unregister(name=ep.name)
             del self._modules[ep.name]
-            self._fail(record, str(exc) if isinstance(exc, (_PluginError, RegistrationConflict)) else f"{type(exc).__name__}: {exc}")
+            self._fail(record, str(exc) if isinstance(exc, (PluginContractError, RegistrationConflict)) else f"{type(exc).__name__}: {exc}")
 
     def _fail(self, record: PluginRecord, error: str) -> None:
         record.status = "failed"
@@ -188,9 +186,7 @@ class PluginHost:
         for caller in self.pm.get_hookcallers(self._modules[plugin_name]) or []:
             if caller.spec is None:
                 hint = difflib.get_close_matches(caller.name, known, n=1)
-                raise _PluginError(
-                    f"unknown hook {caller.name}" + (f" (did you mean {hint[0]}?)" if hint else "")
-                )
+                raise PluginContractError(f"unknown hook {caller.name}" + (f" (did you mean {hint[0]}?)" if hint else ""))
 
     def _impls(self, hook_name: str, plugin_name: str) -> list[pluggy.HookImpl]:
         caller = getattr(self.pm.hook, hook_name)
@@ -207,15 +203,13 @@ class PluginHost:
                 result = self._call(impl)
                 for spec in _as_list(result, hook_name):
                     if not isinstance(spec, SPEC_TYPES[kind]):
-                        raise _PluginError(
-                            f"{hook_name} returned {type(spec).__name__}, expected {SPEC_TYPES[kind].__name__}"
-                        )
+                        raise PluginContractError(f"{hook_name} returned {type(spec).__name__}, expected {SPEC_TYPES[kind].__name__}")
                     registrations.append(Registration(spec, info))
         flags: list[OwnedFlag] = []
         for impl in self._impls("miles_add_arguments", record.name):
             for flag in _as_list(self._call(impl), "miles_add_arguments"):
                 if not isinstance(flag, Flag):
-                    raise _PluginError(f"miles_add_arguments returned {type(flag).__name__}, expected Flag")
+                    raise PluginContractError(f"miles_add_arguments returned {type(flag).__name__}, expected Flag")
                 flags.append(OwnedFlag(flag, info))
         return registrations, flags
 
@@ -228,7 +222,7 @@ class PluginHost:
         for owned in flags:
             for spelling in (owned.flag.name, *owned.flag.aliases):
                 if spelling in taken:
-                    raise _PluginError(f"flag {spelling} is already defined by {taken[spelling]}")
+                    raise PluginContractError(f"flag {spelling} is already defined by {taken[spelling]}")
         for registration in registrations:
             self.registries[registration.spec.kind].add(registration)
             names = record.registers.setdefault(registration.spec.kind, [])
@@ -275,15 +269,11 @@ def _core_flags() -> tuple[Flag, ...]:
     return FLAGS
 
 
-class _PluginError(Exception):
-    """A plugin contract violation, reported as the plugin's load error."""
-
-
 def _as_list(result: Any, hook_name: str) -> list[Any]:
     if result is None:
         return []
     if isinstance(result, (str, bytes, Spec, Flag)) or not isinstance(result, Iterable):
-        raise _PluginError(f"{hook_name} must return a list, got {type(result).__name__}")
+        raise PluginContractError(f"{hook_name} must return a list, got {type(result).__name__}")
     return list(result)
 
 
@@ -302,6 +292,12 @@ def get_host() -> PluginHost:
     if _host is None:
         _host = PluginHost()
     return _host
+
+
+def loss_spec(config: Any) -> LossSpec:
+    """The spec registered for ``--loss-type``: what its algorithm trains on and what it
+    needs. Code that behaves differently per algorithm asks this, never the loss's name."""
+    return get_host().registries.loss.get(config.loss_type).spec
 
 
 def reset_host() -> None:

@@ -25,6 +25,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for marker in item.iter_markers("exercises"):
             bad = [f for f in marker.args if not (isinstance(f, str) and f.startswith("--"))]
             if bad or not marker.args:
-                raise pytest.UsageError(
-                    f"{item.nodeid}: @pytest.mark.exercises takes one or more '--flag' strings, got {marker.args!r}"
-                )
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.exercises takes one or more '--flag' strings, got {marker.args!r}")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-
-class RefError(ImportError):
-    """A reference that cannot be imported or resolved."""
+from miles_core.errors import HookError, PathFlagError, RefError
 
 
 def load_ref(ref: str) -> Any:
@@ -108,10 +108,6 @@ PATH_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 """Dotted-path flag kinds: ``kind -> (check, rule)``."""
 
 
-class PathFlagError(ValueError):
-    """A ``--*-path`` flag that does not resolve to the right kind of object."""
-
-
 def resolve_path_flag(flag_name: str, path: str, kind: str) -> Any:
     """Import the object a dotted-path flag names and check it is of ``kind``.
 
@@ -123,22 +119,53 @@ def resolve_path_flag(flag_name: str, path: str, kind: str) -> Any:
     except RefError as exc:
         raise PathFlagError(f"{flag_name} {path}: {exc}") from None
     if not check(obj):
-        raise PathFlagError(f"{flag_name} {path}: {rule}, got {_describe(obj)}")
+        raise PathFlagError(f"{flag_name} {path}: {rule}, got {describe(obj)}")
     return obj
 
 
-def _describe(obj: Any) -> str:
+def describe(obj: Any) -> str:
     """``function f(a, b)`` for a callable (its signature is usually what is wrong)."""
     if callable(obj):
         try:
             full = inspect.signature(obj)
             # Parameter names only: annotations make the line long and say little here.
-            signature = str(full.replace(
-                parameters=[p.replace(annotation=p.empty) for p in full.parameters.values()],
-                return_annotation=full.empty,
-            ))
+            signature = str(
+                full.replace(
+                    parameters=[p.replace(annotation=p.empty) for p in full.parameters.values()],
+                    return_annotation=full.empty,
+                )
+            )
         except (TypeError, ValueError):
             signature = ""
         name = getattr(obj, "__qualname__", None) or type(obj).__name__
         return f"{'class' if inspect.isclass(obj) else type(obj).__name__} {name}{signature}"
     return f"{type(obj).__name__} {obj!r}"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A loaded dotted-path flag: the function (or class) and where it came from."""
+
+    flag: str
+    path: str
+    fn: Callable[..., Any]
+
+    @property
+    def where(self) -> str:
+        return f"{self.flag} {self.path}"
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.fn(*args, **kwargs)
+        if inspect.isawaitable(result):  # async functions and sync ones alike
+            result = await result
+        return result
+
+
+def load_hook(flag: str, path: str | None, kind: str) -> Hook | None:
+    """The object ``path`` names, checked to be of ``kind``; None when the flag is unset."""
+    if path is None:
+        return None
+    try:
+        return Hook(flag, path, resolve_path_flag(flag, path, kind))
+    except PathFlagError as exc:
+        raise HookError(str(exc)) from None

@@ -7,10 +7,12 @@ who provides it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-from miles_core.refs import RefError, load_ref
+from miles_core.errors import ComponentLoadError, RefError, RegistrationConflict, UnknownComponentError
+from miles_core.refs import load_ref
 from miles_core.specs import SPEC_TYPES, Spec
 
 
@@ -43,25 +45,7 @@ class Registration:
         try:
             return load_ref(self.spec.ref)
         except RefError as exc:
-            raise ComponentLoadError(
-                f"{self.spec.kind} {self.spec.name!r} from {self.plugin}: {exc}"
-            ) from exc
-
-
-class RegistryError(Exception):
-    """Base of registry errors."""
-
-
-class ComponentLoadError(RegistryError, ImportError):
-    """A registered component whose implementation cannot be imported."""
-
-
-class RegistrationConflict(RegistryError):
-    """Two distributions registered the same name for the same kind."""
-
-
-class UnknownComponentError(RegistryError, LookupError):
-    """A name that no installed plugin registered."""
+            raise ComponentLoadError(f"{self.spec.kind} {self.spec.name!r} from {self.plugin}: {exc}") from exc
 
 
 class Registry:

@@ -1,7 +1,7 @@
 """Denoising-step backends: one implementation of the step math, used by the rollout
 engine to take a step and by the trainer to recompute that step's log-probability.
 
-Notation (DESIGN section 7): flow-matching sigmas run from ``σ_0 = 1`` down to
+Notation (docs/design.md, "The SDE step and its log-probability"): flow-matching sigmas run from ``σ_0 = 1`` down to
 ``σ_T = 0``; at step *k*, ``σ = σ_k``, ``σ' = σ_{k+1}``, ``dt = σ' − σ < 0``, ``v`` is the
 predicted velocity, ``x`` the current latent, ``η`` the noise level and ``ε ~ N(0, I)``.
 
@@ -39,10 +39,12 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from miles_core.errors import NonFiniteLogProbError
 
 __all__ = [
     "BACKENDS",
@@ -59,24 +61,10 @@ __all__ = [
     "working_precision",
 ]
 
-Sigma = Union[float, Tensor]
+Sigma = float | Tensor
 """A sigma: a Python float, a 0-d tensor, or a per-sample tensor of shape [B]."""
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
-
-
-class NonFiniteLogProbError(ArithmeticError):
-    """A step's log-probability is not finite even when recomputed in float64."""
-
-    def __init__(self, step_index: int | None, sample_indices: list[int], detail: str = "") -> None:
-        self.step_index = step_index
-        self.sample_indices = sample_indices
-        where = f"step {step_index}" if step_index is not None else "an unnamed step"
-        msg = (
-            f"non-finite log-prob at {where} for sample(s) {sample_indices} "
-            "after the float64 recompute"
-        )
-        super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
 @dataclass
@@ -116,10 +104,7 @@ class SdeBackend(abc.ABC):
         self.log_prob_no_const = bool(log_prob_no_const)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(noise_level={self.noise_level}, "
-            f"log_prob_no_const={self.log_prob_no_const})"
-        )
+        return f"{type(self).__name__}(noise_level={self.noise_level}, log_prob_no_const={self.log_prob_no_const})"
 
     @property
     def deterministic(self) -> bool:
@@ -128,16 +113,12 @@ class SdeBackend(abc.ABC):
 
     # ----------------------------------------------------------------- the math
     @abc.abstractmethod
-    def mean_std(
-        self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float
-    ) -> tuple[Tensor, Tensor]:
+    def mean_std(self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float) -> tuple[Tensor, Tensor]:
         """Return (μ, std) of the transition; std is shaped [B or 1, 1, ..., 1].
 
         Computes in fp32, or in float64 when ``x`` is float64 (the fallback path)."""
 
-    def noise_scale(
-        self, x: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float
-    ) -> Tensor:
+    def noise_scale(self, x: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float) -> Tensor:
         """``s`` (Flow-GRPO's ``std_dev_t``), broadcast against ``x``; zeros when
         deterministic."""
         x = working_precision(x)
@@ -185,9 +166,7 @@ class SdeBackend(abc.ABC):
         prev_sample = mean + std * noise
         # Score x' from (x', μ) exactly as log_prob() will, so that the engine's value and
         # the trainer's recomputation go through the same operations.
-        log_prob, fallbacks = self._score(
-            prev_sample.detach(), x, v, sigma, sigma_next, sigma_max, step_index, mean, std
-        )
+        log_prob, fallbacks = self._score(prev_sample.detach(), x, v, sigma, sigma_next, sigma_max, step_index, mean, std)
         return StepOutput(prev_sample, mean, std, log_prob, noise, fallbacks, scale)
 
     def log_prob(
@@ -214,9 +193,7 @@ class SdeBackend(abc.ABC):
         if self.deterministic:
             zeros = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
             return StepOutput(x_next, mean, std, zeros, None, 0, scale)
-        log_prob, fallbacks = self._score(
-            x_next, x, v, sigma, sigma_next, sigma_max, step_index, mean, std
-        )
+        log_prob, fallbacks = self._score(x_next, x, v, sigma, sigma_next, sigma_max, step_index, mean, std)
         return StepOutput(x_next, mean, std, log_prob, None, fallbacks, scale)
 
     # -------------------------------------------------------------------- internals
@@ -262,9 +239,7 @@ class SdeBackend(abc.ABC):
         rows = bad_idx.tolist()
 
         x64, v64, xn64 = x[bad_idx].double(), v[bad_idx].double(), x_next[bad_idx].double()
-        mean64, std64 = self.mean_std(
-            x64, v64, _take(sigma, bad_idx, x), _take(sigma_next, bad_idx, x), sigma_max=sigma_max
-        )
+        mean64, std64 = self.mean_std(x64, v64, _take(sigma, bad_idx, x), _take(sigma_next, bad_idx, x), sigma_max=sigma_max)
         lp64 = self._elementwise_log_prob(xn64, mean64, _per_row(std64, x64))
         lp_bad = lp64.to(log_prob.dtype)
         still_bad = ~torch.isfinite(lp_bad)
@@ -278,9 +253,7 @@ class SdeBackend(abc.ABC):
         # place: a patched row would still back-propagate 0·inf = NaN into v's gradient.
         out = log_prob.new_zeros(log_prob.shape)
         if good_idx.numel():
-            good_lp = self._elementwise_log_prob(
-                x_next[good_idx], mean[good_idx], _take_rows(std, good_idx)
-            )
+            good_lp = self._elementwise_log_prob(x_next[good_idx], mean[good_idx], _take_rows(std, good_idx))
             out = out.index_put((good_idx,), good_lp)
         out = out.index_put((bad_idx,), lp_bad)
         return out, len(rows)
@@ -297,9 +270,7 @@ class FlowSdeBackend(SdeBackend):
         sigma_tilde = torch.where(sigma == 1, torch.full_like(sigma, sigma_max), sigma)
         return self.noise_level * torch.sqrt(sigma / (1 - sigma_tilde))
 
-    def mean_std(
-        self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float
-    ) -> tuple[Tensor, Tensor]:
+    def mean_std(self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float) -> tuple[Tensor, Tensor]:
         x, v = working_precision(x), working_precision(v)
         sig, sig_next = broadcast_sigma(sigma, x), broadcast_sigma(sigma_next, x)
         dt = sig_next - sig
@@ -320,9 +291,7 @@ class CpsBackend(SdeBackend):
     def scale(self, sigma: Tensor, sigma_next: Tensor, sigma_max: float) -> Tensor:
         return sigma_next * math.sin(self.noise_level * math.pi / 2)
 
-    def mean_std(
-        self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float
-    ) -> tuple[Tensor, Tensor]:
+    def mean_std(self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float) -> tuple[Tensor, Tensor]:
         x, v = working_precision(x), working_precision(v)
         sig, sig_next = broadcast_sigma(sigma, x), broadcast_sigma(sigma_next, x)
         if self.deterministic:
@@ -340,18 +309,14 @@ class OdeBackend(SdeBackend):
     name = "ode"
     stochastic = False
 
-    def mean_std(
-        self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float
-    ) -> tuple[Tensor, Tensor]:
+    def mean_std(self, x: Tensor, v: Tensor, sigma: Sigma, sigma_next: Sigma, *, sigma_max: float) -> tuple[Tensor, Tensor]:
         x, v = working_precision(x), working_precision(v)
         sig, sig_next = broadcast_sigma(sigma, x), broadcast_sigma(sigma_next, x)
         dt = sig_next - sig
         return x + dt * v, torch.zeros_like(dt)
 
 
-BACKENDS: dict[str, type[SdeBackend]] = {
-    cls.name: cls for cls in (FlowSdeBackend, CpsBackend, OdeBackend)
-}
+BACKENDS: dict[str, type[SdeBackend]] = {cls.name: cls for cls in (FlowSdeBackend, CpsBackend, OdeBackend)}
 """The built-in backends by ``--diffusion-sde-type`` name."""
 
 
@@ -371,9 +336,7 @@ def broadcast_sigma(sigma: Sigma, x: Tensor) -> Tensor:
         return t.reshape((t.shape[0],) + tail)
     if t.ndim == x.ndim and t.shape[0] in (1, x.shape[0]) and all(d == 1 for d in t.shape[1:]):
         return t
-    raise ValueError(
-        f"sigma must be a float or a tensor of shape [B] (B={x.shape[0]}), got shape {tuple(t.shape)}"
-    )
+    raise ValueError(f"sigma must be a float or a tensor of shape [B] (B={x.shape[0]}), got shape {tuple(t.shape)}")
 
 
 def _take(sigma: Sigma, idx: Tensor, x: Tensor) -> Sigma:
@@ -396,7 +359,7 @@ def _per_row(std: Tensor, x: Tensor) -> Tensor:
 # ------------------------------------------------------------------- latent streams
 @dataclass
 class StreamStep:
-    """A step over a family's named latent streams (DESIGN: LTX-2 has video and audio)."""
+    """A step over a family's named latent streams (LTX-2 has video and audio)."""
 
     prev_sample: dict[str, Tensor]
     mean: dict[str, Tensor]
@@ -429,8 +392,13 @@ def step_streams(
     """One step of every stream with the same sigmas; the engine's sampling step."""
     outputs = {
         name: backend.step(
-            x[name], v[name], sigma, sigma_next, sigma_max=sigma_max,
-            noise=None if noise is None else noise[name], step_index=step_index,
+            x[name],
+            v[name],
+            sigma,
+            sigma_next,
+            sigma_max=sigma_max,
+            noise=None if noise is None else noise[name],
+            step_index=step_index,
         )
         for name in x
     }
@@ -451,9 +419,7 @@ def score_streams(
     """The log-probability of a recorded transition of every stream; the trainer's
     recomputation, through the same operations as :func:`step_streams`."""
     outputs = {
-        name: backend.log_prob(x_next[name], x[name], v[name], sigma, sigma_next,
-                               sigma_max=sigma_max, step_index=step_index)
-        for name in x
+        name: backend.log_prob(x_next[name], x[name], v[name], sigma, sigma_next, sigma_max=sigma_max, step_index=step_index) for name in x
     }
     return _stream_step(outputs, x)
 

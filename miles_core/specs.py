@@ -31,14 +31,10 @@ class Spec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(
-                f"{type(self).__name__}.name {self.name!r} must be lower-case letters, digits "
-                "and underscores, starting with a letter"
+                f"{type(self).__name__}.name {self.name!r} must be lower-case letters, digits and underscores, starting with a letter"
             )
         if not isinstance(self.ref, str) or not _REF.match(self.ref):
-            raise ValueError(
-                f"{type(self).__name__} {self.name!r}: ref {self.ref!r} must look like "
-                "'package.module:object'"
-            )
+            raise ValueError(f"{type(self).__name__} {self.name!r}: ref {self.ref!r} must look like 'package.module:object'")
 
     def metadata(self) -> dict[str, Any]:
         """Plain metadata (everything but name and ref), for listings and ``config``."""
@@ -61,13 +57,24 @@ FAMILY_GENERATION_OPTIONS: dict[str, str] = {
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFamilySpec(Spec):
-    """A diffusion model family (DESIGN section 4). ``ref`` names a
+    """A diffusion model family (docs/design.md, "The family contract"). ``ref`` names a
     :class:`miles_core.family.ModelFamily` subclass."""
 
     kind: ClassVar[str] = "model_family"
 
     checkpoint_patterns: tuple[str, ...]
-    """Case-insensitive substrings of ``--hf-checkpoint`` that select this family."""
+    """Case-insensitive substrings of ``--hf-checkpoint`` that select this family when its
+    content does not (a hub id, or a pipeline class no installed family lists)."""
+    pipeline_classes: tuple[str, ...] = ()
+    """The ``_class_name`` values of a diffusers ``model_index.json`` this family serves.
+    A local ``--hf-checkpoint`` directory of one of them is this family's when its
+    trainable components are there and :attr:`checkpoint_check` (if any) agrees
+    (:mod:`miles_core.family_match`). Empty: matched by name patterns only."""
+    checkpoint_check: str | None = None
+    """Lazy reference ``"package.module:function"`` to ``check(directory, model_index) ->
+    str | None``: None when a directory of a listed pipeline class is this family's,
+    else why not. For pipeline classes that serve several models (``WanPipeline``). It
+    must read JSON with the standard library only (no torch, diffusers, transformers)."""
     trainable_components: tuple[str, ...] = ("transformer",)
     """Pipeline components that training updates and weight sync sends."""
     lora_target_modules: tuple[str, ...]
@@ -82,6 +89,9 @@ class ModelFamilySpec(Spec):
     """``--diffusion-sde-type`` when the flag is unset."""
     supports_cfg_training: bool = True
     """Whether training-side forwards may apply classifier-free guidance."""
+    default_guidance_scale: float | None = None
+    """``--diffusion-guidance-scale`` when the flag is unset; None keeps the flag's own
+    default, or 1 (no guidance) for a family without :attr:`supports_cfg_training`."""
     generation_options: tuple[str, ...] = ()
     """Family-specific generation settings the family reads, among
     :data:`FAMILY_GENERATION_OPTIONS` (``num_frames``, ``fps`` for video,
@@ -94,11 +104,31 @@ class ModelFamilySpec(Spec):
             value = getattr(self, field)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"ModelFamilySpec {self.name!r}: {field} must be a tuple of strings")
+        if not isinstance(self.pipeline_classes, tuple) or not all(isinstance(v, str) and v.isidentifier() for v in self.pipeline_classes):
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: pipeline_classes must be a tuple of class names "
+                f"(model_index.json _class_name values), got {self.pipeline_classes!r}"
+            )
+        if self.checkpoint_check is not None and not (isinstance(self.checkpoint_check, str) and _REF.match(self.checkpoint_check)):
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: checkpoint_check {self.checkpoint_check!r} must look like 'package.module:function'"
+            )
+        if self.checkpoint_check is not None and not self.pipeline_classes:
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: checkpoint_check needs pipeline_classes (it only runs on a "
+                "directory of a listed pipeline class)"
+            )
+        scale = self.default_guidance_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale < float("inf")):
+            raise ValueError(f"ModelFamilySpec {self.name!r}: default_guidance_scale {scale!r} must be a finite number >= 0")
+        if scale is not None and scale > 1 and not self.supports_cfg_training:
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: default_guidance_scale {scale} samples with CFG, which a family "
+                "without supports_cfg_training refuses; use 1 or less"
+            )
         unknown = [o for o in self.generation_options if o not in FAMILY_GENERATION_OPTIONS]
         if unknown:
-            raise ValueError(
-                f"ModelFamilySpec {self.name!r}: generation_options {unknown} not among {sorted(FAMILY_GENERATION_OPTIONS)}"
-            )
+            raise ValueError(f"ModelFamilySpec {self.name!r}: generation_options {unknown} not among {sorted(FAMILY_GENERATION_OPTIONS)}")
         if not self.trainable_components:
             raise ValueError(f"ModelFamilySpec {self.name!r}: trainable_components is empty")
         for field in ("n_samples_per_prompt", "rollout_microgroup_size"):
@@ -126,14 +156,40 @@ class StepStrategySpec(Spec):
     kind: ClassVar[str] = "step_strategy"
 
 
+TRAINING_DATA: dict[str, str] = {
+    "sde_transitions": "(sample, SDE step) transitions of a rollout with the behaviour policy's log-probabilities "
+    "and the samples' advantages (Flow-GRPO's policy_loss, custom_loss)",
+    "nft_pairs": "a rollout's final samples with their advantages, re-noised on the forward process at sampled "
+    "timesteps; the old policy is an EMA of the live one (DiffusionNFT)",
+    "supervised_rows": "data rows (prompt, image) of --prompt-data, noised on the forward process; no rollout, no reward (sft_loss)",
+}
+"""The kinds of training data a loss can train on: kind -> what it is. The run loop, the
+trainer and the configuration rules dispatch on a loss's kind, never on its name; a new
+kind (for example preference pairs drawn from a group) comes with its loop in
+:mod:`miles_core.training.loops`."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossSpec(Spec):
-    """A training loss selectable with ``--loss-type``."""
+    """A training loss selectable with ``--loss-type``: what it trains on and what
+    reference policy its algorithm needs."""
 
     kind: ClassVar[str] = "loss"
+    trains_on: str = "sde_transitions"
+    """A key of :data:`TRAINING_DATA`: the data the run builds for this loss."""
     needs_sde_steps: bool = False
-    """True when the loss trains on SDE transitions (``policy_loss``): it then needs
-    ``--diffusion-num-sde-steps > 0``."""
+    """True when the loss cannot train without SDE transitions (``policy_loss``): it then
+    needs ``--diffusion-num-sde-steps > 0``."""
+    keeps_ema: bool = False
+    """True when the algorithm itself needs an EMA of the trained weights (DiffusionNFT's
+    old policy), whatever ``--use-ema`` says; it is then the default ``--ref-mode``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.trains_on not in TRAINING_DATA:
+            raise ValueError(f"LossSpec {self.name!r}: trains_on {self.trains_on!r} is not one of {sorted(TRAINING_DATA)}")
+        if self.needs_sde_steps and self.trains_on != "sde_transitions":
+            raise ValueError(f"LossSpec {self.name!r}: needs_sde_steps applies to trains_on='sde_transitions' only")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,9 +213,7 @@ class RolloutFilterSpec(Spec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.stage not in ("group", "sample", "buffer"):
-            raise ValueError(
-                f"RolloutFilterSpec {self.name!r}: stage {self.stage!r} must be group, sample or buffer"
-            )
+            raise ValueError(f"RolloutFilterSpec {self.name!r}: stage {self.stage!r} must be group, sample or buffer")
 
 
 @dataclass(frozen=True, kw_only=True)

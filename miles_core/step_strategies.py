@@ -1,7 +1,7 @@
 """Step strategies: which denoising steps run the SDE, and which latents come back.
 
 A strategy fills the two step fields of a ``POST /rollout/generate`` request
-(``rollout_sde_step_indices`` and ``rollout_return_step_indices``, DESIGN section 5). It
+(``rollout_sde_step_indices`` and ``rollout_return_step_indices``, docs/design.md, "The wire contract"). It
 is a plain callable ``strategy(ctx: StepContext) -> StepSelection``; register one with
 ``miles_register_step_strategies`` or name it with ``--diffusion-step-strategy-path``.
 
@@ -59,9 +59,7 @@ class StepSelection:
         # The final latent x_T is always returned, so T is the largest returned index.
         num_steps = max(self.return_steps, default=0)
         if num_steps < 1:
-            raise ValueError(
-                f"StepSelection.return_steps {list(self.return_steps)} must end with the final latent T >= 1"
-            )
+            raise ValueError(f"StepSelection.return_steps {list(self.return_steps)} must end with the final latent T >= 1")
         _check_indices("return_steps", self.return_steps, num_steps)
         _check_indices("sde_steps", self.sde_steps, num_steps - 1)
         for k in self.sde_steps:
@@ -72,8 +70,7 @@ class StepSelection:
                 )
             if k not in self.return_steps or k + 1 not in self.return_steps:
                 raise ValueError(
-                    f"StepSelection.return_steps {list(self.return_steps)} must include latents {k} and {k + 1} "
-                    f"of SDE step {k}"
+                    f"StepSelection.return_steps {list(self.return_steps)} must include latents {k} and {k + 1} of SDE step {k}"
                 )
 
     @property
@@ -89,10 +86,7 @@ class StepSelection:
         sde = tuple(sorted(sde_steps))
         for k in sde:
             if not 0 <= k < num_steps - 1:
-                raise ValueError(
-                    f"SDE step {k} is outside [0, {num_steps - 1}) for {num_steps} steps "
-                    "(the last step is never an SDE step)"
-                )
+                raise ValueError(f"SDE step {k} is outside [0, {num_steps - 1}) for {num_steps} steps (the last step is never an SDE step)")
         returned = {num_steps, *sde, *(k + 1 for k in sde)}
         return cls(sde_steps=sde, return_steps=tuple(sorted(returned)))
 
@@ -175,8 +169,7 @@ def epoch_global_random_choice(ctx: StepContext) -> StepSelection:
         raise ValueError(f"epoch_global_random_choice: --diffusion-num-sde-steps {n} must not be negative")
     if n > len(candidates):
         raise ValueError(
-            f"epoch_global_random_choice: --diffusion-num-sde-steps {n} exceeds the "
-            f"{len(candidates)} --diffusion-sde-candidate-steps"
+            f"epoch_global_random_choice: --diffusion-num-sde-steps {n} exceeds the {len(candidates)} --diffusion-sde-candidate-steps"
         )
     rng = random.Random(f"epoch_global_random_choice:{ctx.rollout_seed}:{ctx.epoch}")
     return StepSelection.build(tuple(rng.sample(candidates, n)), steps)

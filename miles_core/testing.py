@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from miles_core.hookspecs import ENTRY_POINT_GROUP
 from miles_core.plugin_manager import PluginHost
@@ -44,10 +45,7 @@ def load_plugin(name: str, distribution: str) -> PluginHost:
 
 def _heavy_modules_after(code: str, heavy: Sequence[str]) -> list[str]:
     """Which of ``heavy`` a fresh interpreter has loaded after running ``code``."""
-    code += (
-        "import json as _json, sys as _sys\n"
-        f"print(_json.dumps(sorted(m for m in {list(heavy)!r} if m in _sys.modules)))\n"
-    )
+    code += f"import json as _json, sys as _sys\nprint(_json.dumps(sorted(m for m in {list(heavy)!r} if m in _sys.modules)))\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode != 0:
         raise AssertionError(f"running\n{code}failed:\n{result.stderr}")
@@ -102,9 +100,7 @@ def assert_lora_targets(model: torch.nn.Module, targets: Sequence[str]) -> list[
     linears = {name for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
     for target in targets:
         matched = [name for name in modules if name == target or name.endswith("." + target)]
-        assert any(name in linears for name in matched), (
-            f"LoRA target {target!r} matches no nn.Linear of {type(model).__name__}"
-        )
+        assert any(name in linears for name in matched), f"LoRA target {target!r} matches no nn.Linear of {type(model).__name__}"
         others = [f"{name} ({type(modules[name]).__name__})" for name in matched if name not in linears]
         assert not others, f"LoRA target {target!r} also matches modules that are not nn.Linear: {others}"
     wrapped_model = inject_adapter_in_model(LoraConfig(r=2, target_modules=list(targets)), copy.deepcopy(model))
@@ -151,9 +147,7 @@ def assert_build_is_deterministic(family: Any, workdir: str | Path) -> tuple[dic
     assert first and first.keys() == other.keys()
     for weights in sorted({key.split(":", 1)[0] for key in first}):
         keys = [key for key in first if key.split(":", 1)[0] == weights]
-        assert not all(torch.equal(first[k], other[k]) for k in keys), (
-            f"seed 1 built the same weights as seed 0 in {weights}"
-        )
+        assert not all(torch.equal(first[k], other[k]) for k in keys), f"seed 1 built the same weights as seed 0 in {weights}"
     return first, other
 
 
@@ -165,9 +159,22 @@ def install_into(package_dir: str | Path, target: str | Path) -> Path:
     import sys
 
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), str(package_dir)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(package_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(target)
 
@@ -182,9 +189,7 @@ def load_tiny_pipeline(family: Any, directory: str | Path) -> Any:
     ``pipeline_class``, with its progress bar off."""
     pipe = family.load_pipeline(directory)
     expected = family.resolve_pipeline_class()
-    assert type(pipe) is expected, (
-        f"{family.__name__}.load_pipeline gave a {type(pipe).__name__}, expected {expected.__name__}"
-    )
+    assert type(pipe) is expected, f"{family.__name__}.load_pipeline gave a {type(pipe).__name__}, expected {expected.__name__}"
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -215,7 +220,8 @@ def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Pat
     torch thread (:func:`miles_core.engine.fleet.start_engine`), wait (at most ``timeout``
     seconds) until it listens, yield its :class:`~miles_core.engine.fleet.ServedEngine`,
     and always stop it. Its stderr goes to ``log_path``, quoted when it dies early."""
-    from miles_core.engine.fleet import FleetError, start_engine
+    from miles_core.engine.fleet import start_engine
+    from miles_core.errors import FleetError
 
     try:
         served = start_engine(checkpoint, *args, log_path=log_path, timeout=timeout)
@@ -225,3 +231,23 @@ def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Pat
         yield served
     finally:
         served.stop()
+
+
+def assert_matched_by_content(tiny_dir: str | Path, family_name: str, workdir: str | Path) -> Path:
+    """A copy of ``tiny_dir`` named ``workdir/my-finetune`` is matched to ``family_name``
+    among every installed family by what it is (``model_index.json`` and the component
+    configs), while no family's name patterns match its path: the control that shows the
+    content, not the name, decided. Returns the copy."""
+    import shutil
+
+    from miles_core.family_match import match_family, names_matching
+    from miles_core.plugin_manager import get_host
+
+    registry = get_host().registries.model_family
+    copy = Path(workdir) / "my-finetune"
+    shutil.copytree(tiny_dir, copy)
+    by_name = [reg.name for reg in names_matching(str(copy), registry)]
+    assert by_name == [], f"{copy}: its path matches the name patterns of {by_name}; use a neutral workdir"
+    matched = match_family(copy, registry).name
+    assert matched == family_name, f"{copy}: matched to {matched}, expected {family_name}"
+    return copy

@@ -8,10 +8,12 @@ safetensors buckets of at most ``--update-weight-buffer-size`` bytes (never pick
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
+
+from miles_core.errors import WeightUpdateError
 
 
 def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -63,12 +65,11 @@ def bucket_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return load(data)
 
 
-class WeightUpdateError(ValueError):
-    """An update that does not fit the module (unknown name, wrong shape or dtype)."""
-
-
 def load_named_tensors(
-    module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, module_name: str,
+    module: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    module_name: str,
     place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> int:
     """Copy ``tensors`` into the module's parameters of the same names, in place.
@@ -81,9 +82,7 @@ def load_named_tensors(
         if target is None:
             raise WeightUpdateError(f"{module_name} has no parameter {name!r}")
         if tuple(target.shape) != tuple(tensor.shape):
-            raise WeightUpdateError(
-                f"{module_name}.{name}: shape {tuple(tensor.shape)} does not match {tuple(target.shape)}"
-            )
+            raise WeightUpdateError(f"{module_name}.{name}: shape {tuple(tensor.shape)} does not match {tuple(target.shape)}")
     with torch.no_grad():
         for name, tensor in tensors.items():
             target = parameters[name]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Opt-in lane: a real sglang-diffusion server on CPU (docs/engine.md, "The sglang engine").
 # Not part of scripts/test.sh. Builds .sglang-venv/ (idempotent; ~1 GB from PyPI the first
-# time) as ../shared/notes/sglang-cpu.md describes, writes the tiny SD3 pipeline, and runs
+# time) as docs/engine.md, "Setting up the sglang environment", describes, writes the tiny SD3 pipeline, and runs
 # tests/lane_sglang/ with MILES_SGLANG_PYTHON pointing at that venv's Python.
 #   scripts/sglang_lane.sh            build (if needed) and run the lane
 #   scripts/sglang_lane.sh --build    build the venv only

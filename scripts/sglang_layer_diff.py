@@ -42,11 +42,30 @@ GUIDANCE = 4.0
 # (sde steps, returned latents) of the two requests: the lane's --diffusion-num-steps 4
 # --diffusion-num-sde-steps 2 draws one of these two windows per seed.
 WINDOWS = {"window0": ((0, 1), (0, 1, 2, 4)), "window1": ((1, 2), (1, 2, 3, 4))}
-SERVER_ARGS = ["--model-id", "stable-diffusion-3-medium", "--backend", "sglang", "--num-gpus", "1",
-               "--dit-cpu-offload", "false", "--text-encoder-cpu-offload", "false", "--vae-cpu-offload", "false",
-               "--pin-cpu-memory", "false", "--dit-precision", "fp32", "--text-encoder-precisions", "fp32", "fp32", "fp32"]
+SERVER_ARGS = [
+    "--model-id",
+    "stable-diffusion-3-medium",
+    "--backend",
+    "sglang",
+    "--num-gpus",
+    "1",
+    "--dit-cpu-offload",
+    "false",
+    "--text-encoder-cpu-offload",
+    "false",
+    "--vae-cpu-offload",
+    "false",
+    "--pin-cpu-memory",
+    "false",
+    "--dit-precision",
+    "fp32",
+    "--text-encoder-precisions",
+    "fp32",
+    "fp32",
+    "fp32",
+]
 
-HOOK = r'''
+HOOK = r"""
 import functools, importlib.abc, importlib.util, os, sys, time
 DUMP = os.environ.get("SD3_LAYER_DIFF_DUMP")
 TARGET = "sglang.multimodal_gen.runtime.models.dits.stablediffusion3"
@@ -101,10 +120,11 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if DUMP:
     sys.meta_path.insert(0, _Finder())
-'''
+"""
 
 
 # -- the server part (sglang's Python) ------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -113,12 +133,27 @@ def free_port() -> int:
 
 
 def request_body(sde: tuple[int, ...], returned: tuple[int, ...]) -> dict:
-    return {"prompt": "a red cube", "negative_prompt": None, "seed": 11, "width": 32, "height": 32,
-            "num_inference_steps": 4, "num_outputs_per_prompt": 2, "guidance_scale": GUIDANCE, "rollout": True,
-            "rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False,
-            "rollout_debug_mode": True, "rollout_return_denoising_env": True, "rollout_return_dit_trajectory": True,
-            "rollout_sde_step_indices": list(sde), "rollout_return_step_indices": list(returned),
-            "extra_sampling_params": {}, "generator_device": "cpu"}
+    return {
+        "prompt": "a red cube",
+        "negative_prompt": None,
+        "seed": 11,
+        "width": 32,
+        "height": 32,
+        "num_inference_steps": 4,
+        "num_outputs_per_prompt": 2,
+        "guidance_scale": GUIDANCE,
+        "rollout": True,
+        "rollout_sde_type": "sde",
+        "rollout_noise_level": 0.7,
+        "rollout_log_prob_no_const": False,
+        "rollout_debug_mode": True,
+        "rollout_return_denoising_env": True,
+        "rollout_return_dit_trajectory": True,
+        "rollout_sde_step_indices": list(sde),
+        "rollout_return_step_indices": list(returned),
+        "extra_sampling_params": {},
+        "generator_device": "cpu",
+    }
 
 
 def serve_and_dump(tiny: Path, work: Path, port: int) -> None:
@@ -128,10 +163,25 @@ def serve_and_dump(tiny: Path, work: Path, port: int) -> None:
     dump.mkdir(exist_ok=True)
     for old in dump.glob("*.pt"):
         old.unlink()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SD3_LAYER_DIFF_DUMP": str(dump),
-           "PYTHONPATH": os.pathsep.join([str(work / "hook"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "sglang.multimodal_gen.runtime.entrypoints.cli.main", "serve", "--model-path",
-               str(tiny), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "SD3_LAYER_DIFF_DUMP": str(dump),
+        "PYTHONPATH": os.pathsep.join([str(work / "hook"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "sglang.multimodal_gen.runtime.entrypoints.cli.main",
+        "serve",
+        "--model-path",
+        str(tiny),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVER_ARGS,
+    ]
     url = f"http://127.0.0.1:{port}"
     with open(work / "server.log", "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -168,6 +218,7 @@ def serve_and_dump(tiny: Path, work: Path, port: int) -> None:
 
 
 # -- the comparison part (either Python) ------------------------------------------------
+
 
 def decode(obj):
     from safetensors.torch import load
@@ -208,8 +259,10 @@ def compare(tiny: Path, work: Path) -> None:
     first = next(c for cs in calls.values() for c in cs)
     theirs, mine = first["state_dict"], model.state_dict()
     same = theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in mine)
-    print(f"server DiT weights == checkpoint: {same}; server attention processors {first['processors']}, "
-          f"autocast {first['autocast']}, default dtype {first['default_dtype']}")
+    print(
+        f"server DiT weights == checkpoint: {same}; server attention processors {first['processors']}, "
+        f"autocast {first['autocast']}, default dtype {first['default_dtype']}"
+    )
 
     # 1. layer by layer on the server's own inputs
     worst: dict[str, tuple[float, float]] = {}
@@ -235,9 +288,11 @@ def compare(tiny: Path, work: Path) -> None:
         steps = len(cs) // 2  # one conditional and one unconditional call per loop step
         print(f"\n{name}: sde steps {sde}, returned latents {returned}")
         tr = outputs[0]["dit_trajectory"]
-        print(f"2. dit_trajectory.timesteps {[round(x, 3) for x in tr['timesteps'].tolist()]} (one per returned latent), "
-              f"sigmas x 1000 {[round(1000 * x, 3) for x in tr['sigmas'].tolist()]}; "
-              f"DiT timesteps per loop step {[round(float(cs[2 * k]['kwargs']['timestep'][0]), 3) for k in range(steps)]}")
+        print(
+            f"2. dit_trajectory.timesteps {[round(x, 3) for x in tr['timesteps'].tolist()]} (one per returned latent), "
+            f"sigmas x 1000 {[round(1000 * x, 3) for x in tr['sigmas'].tolist()]}; "
+            f"DiT timesteps per loop step {[round(float(cs[2 * k]['kwargs']['timestep'][0]), 3) for k in range(steps)]}"
+        )
         env = outputs[0]["denoising_env"]
         checks = []
         for i, o in enumerate(outputs):
@@ -250,23 +305,28 @@ def compare(tiny: Path, work: Path) -> None:
                 cfg = neg["out"][i] + GUIDANCE * (pos["out"][i] - neg["out"][i])
                 checks.append(torch.equal(o["rollout_debug_tensors"]["rollout_model_outputs"][k], cfg))
             for key, call in (("pos_cond_kwargs", cs[0]), ("neg_cond_kwargs", cs[1])):
-                checks.extend(torch.equal(o["denoising_env"][key][t], call["kwargs"][t])
-                              for t in ("encoder_hidden_states", "pooled_projections"))
-        print(f"   returned latents, timesteps (at their rows), conditioning == the DiT's inputs and "
-              f"rollout_model_outputs == u + {GUIDANCE:g}(c - u): {all(checks)} ({len(checks)} checks)")
+                checks.extend(
+                    torch.equal(o["denoising_env"][key][t], call["kwargs"][t]) for t in ("encoder_hidden_states", "pooled_projections")
+                )
+        print(
+            f"   returned latents, timesteps (at their rows), conditioning == the DiT's inputs and "
+            f"rollout_model_outputs == u + {GUIDANCE:g}(c - u): {all(checks)} ({len(checks)} checks)"
+        )
         print("3. trainer replay (one batched [neg; pos] forward) vs the server's rollout_model_outputs, |dv| mean / max:")
         for i, o in enumerate(outputs):
             trj, rows = o["dit_trajectory"], {k: r for r, k in enumerate(returned)}
             pos, neg = env["pos_cond_kwargs"], env["neg_cond_kwargs"]
             for k in sde:
                 x = trj["latents"][rows[k]][None]
-                for label, t in (("timesteps[k] (build_pairs)", trj["timesteps"][k]),
-                                 ("timesteps[row of k]", trj["timesteps"][rows[k]])):
+                for label, t in (("timesteps[k] (build_pairs)", trj["timesteps"][k]), ("timesteps[row of k]", trj["timesteps"][rows[k]])):
                     t2 = t.reshape(1).float().expand(2)
-                    out = model(hidden_states=torch.cat([x, x]), timestep=t2,
-                                encoder_hidden_states=torch.cat([neg["encoder_hidden_states"], pos["encoder_hidden_states"]]),
-                                pooled_projections=torch.cat([neg["pooled_projections"], pos["pooled_projections"]]),
-                                return_dict=False)[0]
+                    out = model(
+                        hidden_states=torch.cat([x, x]),
+                        timestep=t2,
+                        encoder_hidden_states=torch.cat([neg["encoder_hidden_states"], pos["encoder_hidden_states"]]),
+                        pooled_projections=torch.cat([neg["pooled_projections"], pos["pooled_projections"]]),
+                        return_dict=False,
+                    )[0]
                     u, c = out.chunk(2)
                     v = (u + GUIDANCE * (c - u))[0]
                     d = (v - o["rollout_debug_tensors"]["rollout_model_outputs"][k]).abs()
@@ -290,8 +350,7 @@ def main() -> None:
     compare(args.tiny, args.work)
     if args.trainer_python:
         sys.stdout.flush()
-        subprocess.run([args.trainer_python, __file__, "--compare-only", str(args.work), "--tiny", str(args.tiny)],
-                       check=True)
+        subprocess.run([args.trainer_python, __file__, "--compare-only", str(args.work), "--tiny", str(args.tiny)], check=True)
 
 
 if __name__ == "__main__":

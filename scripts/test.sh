@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Install everything, then run every test suite (the core's and each plugin's), each in
-# its own pytest process so the suites' `tests` packages never collide.
+# Install everything, run the static checks (scripts/lint.sh), then every test suite (the
+# core's and each plugin's), each in its own pytest process so the suites' `tests`
+# packages never collide. A lint failure fails the run after the tests have run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
+bash scripts/lint.sh || lint_failed=1
 
 export MILES_STRICT_PLUGINS=1
 reports=$(mktemp -d)
 trap 'rm -rf "$reports"' EXIT
-status=0
+status=${lint_failed:-0}
 suites=(tests plugins/*/tests)
 for suite in "${suites[@]}"; do
   echo "== $suite"

@@ -2,7 +2,7 @@ import os
 
 os.environ.setdefault("MILES_STRICT_PLUGINS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 

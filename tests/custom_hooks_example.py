@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from miles_sd3.family import SD3Family
 
-from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.generate import (
     RolloutSettings,
@@ -23,6 +22,7 @@ from miles_core.rollout.generate import (
 from miles_core.rollout.sample import Sample
 from miles_core.rollout.seeds import group_index, microgroups
 from miles_core.step_strategies import select_steps
+from miles_sd3.family import SD3Family
 
 CALLS: list[tuple[Any, ...]] = []
 OWN_SEED = 777_000
@@ -53,8 +53,16 @@ def own_prompts_rollout(config: Any, rollout_id: int, engine: Any, data_source: 
             steps = select_steps(settings, seed=mg.seed, epoch=0, strategy=strategy)
             outputs = engine.generate_sync(settings.request(prompt, mg, steps.sde_steps, steps.return_steps))
             samples += [
-                Sample(prompt=prompt, metadata={}, rollout_id=rollout_id, group_index=group, index_in_group=mg.offset + i,
-                       seed=output.seed, sde_step_indices=steps.sde_steps, output=output)
+                Sample(
+                    prompt=prompt,
+                    metadata={},
+                    rollout_id=rollout_id,
+                    group_index=group,
+                    index_in_group=mg.offset + i,
+                    seed=output.seed,
+                    sde_step_indices=steps.sde_steps,
+                    output=output,
+                )
                 for i, output in enumerate(outputs)
             ]
     return samples

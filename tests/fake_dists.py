@@ -25,9 +25,4 @@ def make_dist(root: Path, dist: str, version: str, plugins: dict[str, str]) -> N
 
 
 def entry_points_in(root: Path) -> list[metadata.EntryPoint]:
-    return [
-        ep
-        for dist in metadata.distributions(path=[str(root)])
-        for ep in dist.entry_points
-        if ep.group == "miles.plugins"
-    ]
+    return [ep for dist in metadata.distributions(path=[str(root)]) for ep in dist.entry_points if ep.group == "miles.plugins"]

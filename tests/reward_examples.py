@@ -64,8 +64,7 @@ async def wrong_length(args: Any, samples: list[Any]) -> list[float]:
 
 async def fails_first_sample(args: Any, samples: list[Any]) -> list[float]:
     """Mean pixel value, NaN for the first sample of each prompt group."""
-    return [math.nan if s.index_in_group == 0 else float(np.asarray(s.pixels, dtype=np.float64).mean())
-            for s in samples]
+    return [math.nan if s.index_in_group == 0 else float(np.asarray(s.pixels, dtype=np.float64).mean()) for s in samples]
 
 
 async def length_parts(args: Any, samples: list[Any]) -> list[dict[str, Any]]:

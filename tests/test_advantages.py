@@ -1,4 +1,4 @@
-"""GRPO advantages against an independent float64 implementation (DESIGN section 7)."""
+"""GRPO advantages against an independent float64 implementation (docs/design.md, "Advantages, losses and the EMA")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_core.refs import PathFlagError
+from miles_core.errors import PathFlagError
 from miles_core.training.advantages import (
     advantages_from_config,
     grpo_advantages,

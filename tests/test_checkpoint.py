@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles_core.errors import CheckpointError
 from miles_core.training import checkpoint as ckpt
 from miles_core.training.checkpoint import (
-    CheckpointError,
     available_iterations,
     capture_rng,
     latest_iteration,
@@ -65,8 +65,12 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, i: int) -> N
 
 def _save(root: Path, rollout_id: int, *, seed: int = 0, optimizer_state=None, extra=None) -> Path:
     return save_checkpoint(
-        root, rollout_id, model_state=_model_state(seed), optimizer_state=optimizer_state,
-        rng_state=capture_rng(), extra=extra if extra is not None else {"optimizer_steps": rollout_id * 2, "use_lora": True},
+        root,
+        rollout_id,
+        model_state=_model_state(seed),
+        optimizer_state=optimizer_state,
+        rng_state=capture_rng(),
+        extra=extra if extra is not None else {"optimizer_steps": rollout_id * 2, "use_lora": True},
     )
 
 
@@ -89,9 +93,19 @@ def test_round_trip_model_optimizer_rng_and_extra(tmp_path: Path) -> None:
     expected = (torch.randn(5), random.random(), np.random.rand(3))
     ema = EMA({"w": torch.randn(3, 3)})
     path = save_checkpoint(
-        tmp_path, 12, model_state=_model_state(), optimizer_state=optimizer.state_dict(), rng_state=rng,
-        extra={"optimizer_steps": 24, "use_lora": True, "components": ["transformer"], "ema": ema.state_dict(),
-               "lr": float("inf"), "pair": (1, 2)},
+        tmp_path,
+        12,
+        model_state=_model_state(),
+        optimizer_state=optimizer.state_dict(),
+        rng_state=rng,
+        extra={
+            "optimizer_steps": 24,
+            "use_lora": True,
+            "components": ["transformer"],
+            "ema": ema.state_dict(),
+            "lr": float("inf"),
+            "pair": (1, 2),
+        },
     )
     assert path == tmp_path / "iter_0000012"
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
@@ -137,8 +151,12 @@ def test_optimizer_state_flattens_to_named_tensors_and_json(tmp_path: Path) -> N
 def test_adamw_continues_bit_identically(tmp_path: Path) -> None:
     model, optimizer = _trained_adamw(steps=3)
     save_checkpoint(
-        tmp_path, 3, model_state={"model": model.state_dict()}, optimizer_state=optimizer.state_dict(),
-        rng_state=capture_rng(), extra={"optimizer_steps": 3},
+        tmp_path,
+        3,
+        model_state={"model": model.state_dict()},
+        optimizer_state=optimizer.state_dict(),
+        rng_state=capture_rng(),
+        extra={"optimizer_steps": 3},
     )
     for i in range(3, 5):  # the uninterrupted run goes on
         _step(model, optimizer, i)
@@ -179,10 +197,14 @@ def test_layout_holds_no_pickle(tmp_path: Path) -> None:
         assert head != b"PK", f"{p} looks like a torch.save zip"
     rel = sorted(str(p.relative_to(tmp_path)) for p in files)
     assert rel == [
-        "iter_0000001/extra.safetensors", "iter_0000001/meta.json",
-        "iter_0000001/model/text_encoder.safetensors", "iter_0000001/model/transformer.safetensors",
-        "iter_0000001/optimizer.json", "iter_0000001/optimizer.safetensors",
-        "iter_0000001/rng.json", "iter_0000001/rng.safetensors",
+        "iter_0000001/extra.safetensors",
+        "iter_0000001/meta.json",
+        "iter_0000001/model/text_encoder.safetensors",
+        "iter_0000001/model/transformer.safetensors",
+        "iter_0000001/optimizer.json",
+        "iter_0000001/optimizer.safetensors",
+        "iter_0000001/rng.json",
+        "iter_0000001/rng.safetensors",
         "latest_checkpointed_iteration.txt",
     ]
 
@@ -218,7 +240,7 @@ def test_crash_before_latest_is_updated_keeps_previous(tmp_path: Path, monkeypat
 
 def test_crash_while_writing_files_leaves_no_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _save(tmp_path, 1, seed=1)
-    real = ckpt._write_tensors
+    real = ckpt.write_tensors
     calls = {"n": 0}
 
     def flaky(path, tensors):
@@ -227,7 +249,7 @@ def test_crash_while_writing_files_leaves_no_checkpoint(tmp_path: Path, monkeypa
             raise OSError("disk full")
         real(path, tensors)
 
-    monkeypatch.setattr(ckpt, "_write_tensors", flaky)
+    monkeypatch.setattr(ckpt, "write_tensors", flaky)
     with pytest.raises(OSError, match="disk full"):
         _save(tmp_path, 2, seed=2)
     monkeypatch.undo()
@@ -237,9 +259,7 @@ def test_crash_while_writing_files_leaves_no_checkpoint(tmp_path: Path, monkeypa
 
 
 @pytest.mark.parametrize("rename_back_fails", [False, True])
-def test_crash_between_renames_of_a_same_id_replacement(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rename_back_fails: bool
-) -> None:
+def test_crash_between_renames_of_a_same_id_replacement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rename_back_fails: bool) -> None:
     _save(tmp_path, 3, seed=1)
     real_rename = os.rename
     calls = {"n": 0}

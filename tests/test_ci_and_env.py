@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError, RunError
 from miles_core.training.checkpoint import read_extra, save_checkpoint
 from miles_core.training.lr_schedule import (
     SCHEDULE_KEY,
@@ -23,7 +23,6 @@ from miles_core.training.lr_schedule import (
     resume_schedule,
     schedule_state,
 )
-from miles_core.training.run import RunError
 
 
 @pytest.fixture
@@ -42,8 +41,7 @@ def config_errors(argv: list[str]) -> list[str]:
 
 def saved_run_schedule(base: list[str]):
     """The schedule of the run that wrote the checkpoint: cosine from 1e-3 over its 10 steps."""
-    config = resolve_config([*base, "--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
-                             "--lr-warmup-iters", "2"])
+    config = resolve_config([*base, "--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"])
     return from_config(config, 10)
 
 
@@ -63,8 +61,7 @@ def test_resume_takes_the_checkpoints_schedule_unless_overridden(base):
     assert chosen.lr_at(step) == pytest.approx(1e-5 + 0.5 * (1 + math.cos(math.pi * ratio)) * (1e-3 - 1e-5), rel=1e-12)
     assert chosen.lr_at(step) != command_line.lr_at(step)
     assert warnings == [
-        "--lr: the checkpoint's 0.001 is used, not the command line's 0.002 (--override-lr-scheduler keeps the "
-        "command line's)",
+        "--lr: the checkpoint's 0.001 is used, not the command line's 0.002 (--override-lr-scheduler keeps the command line's)",
         "--lr-decay-style: the checkpoint's 'cosine' is used, not the command line's 'linear' "
         "(--override-lr-scheduler keeps the command line's)",
         "--lr-decay-iters (or the run's total optimizer steps): the checkpoint's 10 is used, not the command "
@@ -83,8 +80,14 @@ def test_resume_takes_the_checkpoints_schedule_unless_overridden(base):
 def test_resume_schedule_reads_the_checkpoint_and_logs(base, tmp_path):
     schedule = saved_run_schedule(base)
     ema_shadow = {"shadow": {"w": torch.ones(2)}}  # a tensor-valued extra entry is skipped by read_extra
-    save_checkpoint(tmp_path / "ckpt", 3, model_state={"transformer": {"w": torch.zeros(1)}}, optimizer_state=None,
-                    rng_state={}, extra={"optimizer_steps": 4, SCHEDULE_KEY: schedule_state(schedule), "ema": ema_shadow})
+    save_checkpoint(
+        tmp_path / "ckpt",
+        3,
+        model_state={"transformer": {"w": torch.zeros(1)}},
+        optimizer_state=None,
+        rng_state={},
+        extra={"optimizer_steps": 4, SCHEDULE_KEY: schedule_state(schedule), "ema": ema_shadow},
+    )
     assert read_extra(tmp_path / "ckpt") == {"optimizer_steps": 4, SCHEDULE_KEY: schedule_state(schedule)}
     assert read_extra(tmp_path / "empty") is None  # nothing saved yet: nothing to resume
 
@@ -92,8 +95,9 @@ def test_resume_schedule_reads_the_checkpoint_and_logs(base, tmp_path):
     lines: list[str] = []
     chosen = resume_schedule(config, from_config(config, 40), lines.append)
     assert chosen == schedule
-    assert lines[0] == ("warning: --lr: the checkpoint's 0.001 is used, not the command line's 0.0005 "
-                        "(--override-lr-scheduler keeps the command line's)")
+    assert lines[0] == (
+        "warning: --lr: the checkpoint's 0.001 is used, not the command line's 0.0005 (--override-lr-scheduler keeps the command line's)"
+    )
     # No --load: the command line's, untouched; a checkpoint saved before schedules were: a warning.
     plain = resolve_config(base)
     assert resume_schedule(plain, from_config(plain, 40), lines.append) == from_config(plain, 40)
@@ -101,14 +105,16 @@ def test_resume_schedule_reads_the_checkpoint_and_logs(base, tmp_path):
     old = resolve_config([*base, "--load", str(tmp_path / "old")])
     lines.clear()
     assert resume_schedule(old, from_config(old, 40), lines.append) == from_config(old, 40)
-    assert lines == ["warning: the checkpoint holds no learning-rate schedule (saved before schedules were); "
-                     "using the command line's"]
+    assert lines == ["warning: the checkpoint holds no learning-rate schedule (saved before schedules were); using the command line's"]
     # A corrupt saved schedule is a one-line run error.
     bad = {**schedule_state(schedule), "decay_style": "zigzag"}
     save_checkpoint(tmp_path / "bad", 0, model_state={}, optimizer_state=None, rng_state={}, extra={SCHEDULE_KEY: bad})
     config = resolve_config([*base, "--load", str(tmp_path / "bad")])
-    with pytest.raises(RunError, match=r"^--load \S+bad: the checkpoint's learning-rate schedule is invalid "
-                                       r"\(--lr-decay-style 'zigzag': choose one of"):
+    with pytest.raises(
+        RunError,
+        match=r"^--load \S+bad: the checkpoint's learning-rate schedule is invalid "
+        r"\(--lr-decay-style 'zigzag': choose one of",
+    ):
         resume_schedule(config, from_config(config, 40), lines.append)
 
 
@@ -151,8 +157,7 @@ def test_ci_check_uses_the_last_record_that_has_the_key(base, tmp_path):
     with pytest.raises(RunError) as excinfo:
         check_ci_metric(ci("rollout/reward/raw_mean", "0.45"), metrics)  # 0.5 earlier does not count
     assert str(excinfo.value) == (
-        f"--ci-test: metric 'rollout/reward/raw_mean' is 0.3, below --ci-metric-checker-threshold 0.45 "
-        f"(last record of {metrics})"
+        f"--ci-test: metric 'rollout/reward/raw_mean' is 0.3, below --ci-metric-checker-threshold 0.45 (last record of {metrics})"
     )
     # A key only some records have (evaluations): its last record.
     assert check_ci_metric(ci("eval/shapes/reward_mean", "0.4"), metrics) == 0.4
@@ -174,8 +179,9 @@ def test_ci_flags_go_together(base):
     assert config_errors([*base, "--ci-metric-checker-key", "k", "--ci-metric-checker-threshold", "1"]) == [
         "--ci-metric-checker-key and --ci-metric-checker-threshold require --ci-test"
     ]
-    assert config_errors([*base, "--ci-test", "--ci-metric-checker-key", "k", "--ci-metric-checker-threshold",
-                          "inf"]) == ["--ci-metric-checker-threshold inf: must be a finite number"]
+    assert config_errors([*base, "--ci-test", "--ci-metric-checker-key", "k", "--ci-metric-checker-threshold", "inf"]) == [
+        "--ci-metric-checker-threshold inf: must be a finite number"
+    ]
     config = resolve_config([*base, "--ci-test", "--ci-metric-checker-key", "k", "--ci-metric-checker-threshold", "1"])
     assert (config.ci_test, config.ci_metric_checker_key, config.ci_metric_checker_threshold) == (True, "k", 1.0)
 
@@ -193,7 +199,7 @@ def restore_environ():
 
 @pytest.mark.exercises("--train-env-vars")
 def test_train_env_vars_are_set_as_strings_and_logged(base, restore_environ):
-    from miles_core.training.environment import apply_train_env_vars
+    from miles_core.config.train_env import apply_train_env_vars
 
     os.environ.pop("MILES_TEST_A", None)
     config = resolve_config([*base, "--train-env-vars", '{"MILES_TEST_B": "x y", "MILES_TEST_A": 3, "MILES_TEST_C": 0.5}'])
@@ -211,7 +217,7 @@ def test_train_env_vars_are_set_as_strings_and_logged(base, restore_environ):
 def test_bad_train_env_vars_are_one_line_errors(base, restore_environ):
     from types import SimpleNamespace
 
-    from miles_core.training.environment import apply_train_env_vars
+    from miles_core.config.train_env import apply_train_env_vars
 
     cases = [
         ('{"MILES_TEST_X": [1]}', "--train-env-vars: the value of MILES_TEST_X must be a string or a number, got list [1]"),

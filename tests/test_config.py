@@ -5,9 +5,9 @@ import textwrap
 import pytest
 import yaml
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.model import Source
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError
 from miles_core.plugin_manager import PluginHost
 
 SD35 = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium"]
@@ -49,7 +49,10 @@ def test_neither_given_means_one_step():
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--global-batch-size", "10", "--num-steps-per-rollout", "2"], "contradict rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout (4 x 4 = 16): 10 x 2 = 20"),
+        (
+            ["--global-batch-size", "10", "--num-steps-per-rollout", "2"],
+            "contradict rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout (4 x 4 = 16): 10 x 2 = 20",
+        ),
         (["--global-batch-size", "5"], "--global-batch-size 5 must divide 4 x 4 = 16"),
         (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide 4 x 4 = 16"),
     ],
@@ -73,7 +76,9 @@ def test_rollout_batch_size_is_required():
 @pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_family_from_name_patterns_and_override():
     base = ["--rollout-batch-size", "1"]
-    assert resolve("--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", *base, "--diffusion-guidance-scale-2", "3").model_family == "wan2_2"
+    assert (
+        resolve("--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", *base, "--diffusion-guidance-scale-2", "3").model_family == "wan2_2"
+    )
     assert resolve("--hf-checkpoint", "Lightricks/LTX-2", *base).model_family == "ltx"
     assert resolve("--hf-checkpoint", "Qwen/Qwen-Image", *base).model_family == "qwen_image"
     assert resolve("--hf-checkpoint", "nvidia/Cosmos3-2B", *base).model_family == "cosmos3"
@@ -83,16 +88,17 @@ def test_family_from_name_patterns_and_override():
 
 @pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_unknown_or_unmatched_family_lists_installed():
-    (message,) = errors_of("--hf-checkpoint", "/models/mystery", "--rollout-batch-size", "1")
-    assert "no installed model family matches its name (installed: cosmos3, ltx, qwen_image, sd3, wan2_2)" in message
+    (message,) = errors_of("--hf-checkpoint", "acme/mystery", "--rollout-batch-size", "1")
+    assert "as a hub id no installed model family matches its name (installed: cosmos3, ltx, qwen_image, sd3, wan2_2)" in message
     assert "pass --diffusion-model-family" in message
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "flux")
     assert message.startswith("--diffusion-model-family flux: unknown model family; installed: cosmos3, ltx, qwen_image, sd3, wan2_2")
 
 
 def test_family_and_pipeline_config_are_exclusive():
-    messages = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "sd3",
-                         "--train-pipeline-config-path", "miles_sd3.family.SD3Family")
+    messages = errors_of(
+        *SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "sd3", "--train-pipeline-config-path", "miles_sd3.family.SD3Family"
+    )
     assert "--train-pipeline-config-path and --diffusion-model-family are mutually exclusive" in messages
 
 
@@ -115,8 +121,9 @@ def test_family_defaults_fill_unset_flags():
 def test_microgroup_limits():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "8")
     assert message == "--rollout-microgroup-size 8 exceeds --n-samples-per-prompt 4: a microgroup is part of one prompt's group"
-    (message,) = errors_of("--hf-checkpoint", "nvidia/cosmos3", "--rollout-batch-size", "1", "--n-samples-per-prompt", "4",
-                           "--rollout-microgroup-size", "2")
+    (message,) = errors_of(
+        "--hf-checkpoint", "nvidia/cosmos3", "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2"
+    )
     assert "the cosmos3 family supports at most 1 output(s) per request" in message
 
 
@@ -125,8 +132,9 @@ def test_native_size_from_local_pipeline(tiny_sd3):
     c = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1")
     assert (c.diffusion_height, c.diffusion_width) == (64, 64)
     assert c.source("diffusion_height") is Source.FAMILY
-    c = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-                "--diffusion-height", "128")
+    c = resolve(
+        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1", "--diffusion-height", "128"
+    )
     assert (c.diffusion_height, c.diffusion_width) == (128, 64)
     # A hub id cannot be read without loading: left unset, resolved when the pipeline loads.
     assert resolve(*SD35, "--rollout-batch-size", "1").diffusion_height is None
@@ -134,11 +142,22 @@ def test_native_size_from_local_pipeline(tiny_sd3):
 
 def test_machine_auto_values(monkeypatch):
     c = resolve(*SD35, "--rollout-batch-size", "1")
-    assert (c.actor_num_gpus_per_node, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (1, "gloo", "fp32", "cpu")
+    assert (c.actor_num_gpus_per_node, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (
+        1,
+        "gloo",
+        "fp32",
+        "cpu",
+    )
     assert c.source("distributed_backend") is Source.MACHINE
     monkeypatch.setattr("miles_core.config.resolve.visible_gpu_count", lambda: 4)
     c = resolve(*SD35, "--rollout-batch-size", "4", "--diffusion-forward-dtype", "fp32")
-    assert (c.actor_num_gpus_per_node, c.world_size, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (4, 4, "nccl", "fp32", "cpu")
+    assert (c.actor_num_gpus_per_node, c.world_size, c.distributed_backend, c.diffusion_forward_dtype, c.diffusion_generator_device) == (
+        4,
+        4,
+        "nccl",
+        "fp32",
+        "cpu",
+    )
 
 
 def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
@@ -155,34 +174,47 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
     [
         (["--save-interval", "5"], "--save-interval requires --save (where to write checkpoints)"),
         (["--lora-ipc-weight-sync"], "--lora-ipc-weight-sync requires --use-lora (it sends only lora_A/lora_B)"),
-        (["--micro-batch-size-sample", "2"], "--micro-batch-size-sample and --micro-batch-size-tstep must be set together (a 2-D sample x tstep tile)"),
+        (
+            ["--micro-batch-size-sample", "2"],
+            "--micro-batch-size-sample and --micro-batch-size-tstep must be set together (a 2-D sample x tstep tile)",
+        ),
         (["--colocate-reward"], "--colocate-reward requires --colocate"),
         (["--train-only", "--debug-rollout-only"], "--train-only and --debug-rollout-only are mutually exclusive"),
-        (["--eval-interval", "2"], "--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config)"),
+        (["--eval-interval", "2"], "--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH)"),
         (["--use-ema"], "--use-ema needs a consumer: --ref-mode ema, --ema-rollout-policy ema, or --loss-type nft"),
         (["--ref-mode", "lora_base"], "--ref-mode lora_base requires --use-lora (the reference is the model with LoRA disabled)"),
         (["--loss-type", "custom_loss"], "--loss-type custom_loss requires --custom-loss-function-path"),
         (["--over-sampling-batch-size", "3"], "--over-sampling-batch-size 3 must equal --rollout-batch-size 2"),
         (["--diffusion-noise-level", "-0.1"], "--diffusion-noise-level -0.1: must not be negative"),
-        (["--diffusion-sde-window-range", "4,2"], (
-            "--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 "
-            "(the last step is never an SDE step)"
-        )),
+        (
+            ["--diffusion-sde-window-range", "4,2"],
+            ("--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
+        ),
         (["--lr-decay-style", "wsd"], "--lr-decay-style wsd requires --lr-wsd-decay-iters"),
-        (["--rollout-engine", "http"], "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers) or --rollout-num-engines N (servers the run starts)"),
-        (["--rollout-engine", "http", "--rollout-engine-urls", "localhost:3000"],
-         "--rollout-engine-urls: 'localhost:3000' is not an http:// or https:// base URL"),
-        (["--rollout-num-engines", "2"], "--rollout-num-engines starts engine servers for --rollout-engine http "
-                                         "without --rollout-engine-urls; drop one of them"),
-        (["--rollout-engine", "http", "--rollout-engine-urls", "http://a:1", "--rollout-num-engines", "2"],
-         "--rollout-num-engines starts engine servers for --rollout-engine http without --rollout-engine-urls; "
-         "drop one of them"),
+        (
+            ["--rollout-engine", "http"],
+            "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers) or --rollout-num-engines N (servers the run starts)",
+        ),
+        (
+            ["--rollout-engine", "http", "--rollout-engine-urls", "localhost:3000"],
+            "--rollout-engine-urls: 'localhost:3000' is not an http:// or https:// base URL",
+        ),
+        (
+            ["--rollout-num-engines", "2"],
+            "--rollout-num-engines starts engine servers for --rollout-engine http without --rollout-engine-urls; drop one of them",
+        ),
+        (
+            ["--rollout-engine", "http", "--rollout-engine-urls", "http://a:1", "--rollout-num-engines", "2"],
+            "--rollout-num-engines starts engine servers for --rollout-engine http without --rollout-engine-urls; drop one of them",
+        ),
         (["--rollout-engine", "http", "--rollout-num-engines", "0"], "--rollout-num-engines 0: must be at least 1"),
         (["--rollout-parser-num-workers", "0"], "--rollout-parser-num-workers 0: must be at least 1"),
         (["--rollout-engine", "vllm"], "--rollout-engine vllm: unknown rollout engine; installed: embedded, http, sglang"),
     ],
 )
-@pytest.mark.exercises("--over-sampling-batch-size", "--diffusion-noise-level", "--diffusion-sde-window-range", "--rollout-engine", "--rollout-engine-urls")
+@pytest.mark.exercises(
+    "--over-sampling-batch-size", "--diffusion-noise-level", "--diffusion-sde-window-range", "--rollout-engine", "--rollout-engine-urls"
+)
 @pytest.mark.exercises("--rollout-num-engines", "--rollout-parser-num-workers")
 def test_reference_rules(extra, expected):
     assert errors_of(*SD35, "--rollout-batch-size", "2", *extra) == [expected]
@@ -203,7 +235,9 @@ def test_registry_backed_choices_list_installed():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--loss-type", "ppo")
     assert message == "--loss-type ppo: unknown loss; installed: custom_loss, nft, policy_loss, sft_loss"
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--rm-type", "pickscore2")
-    assert "installed: aesthetic, brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, ocr, pickscore, redness" in message
+    assert (
+        "installed: aesthetic, brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, ocr, pickscore, redness" in message
+    )
     c = resolve(*SD35, "--rollout-batch-size", "1", "--rm-type", "jpeg_compressibility")
     assert c.components["reward"].provider.startswith("miles-rewards ")
     assert c.components["loss"].provider.startswith("miles-core ")
@@ -234,10 +268,23 @@ def test_dotted_path_flags_are_validated():
 
 
 def test_sglang_flags_pass_through_verbatim():
-    c = resolve(*SD35, "--rollout-batch-size", "1", "--sglang-attention-backend", "torch_sdpa",
-                "--sglang-enable-torch-compile", "--sglang-mem-fraction-static=0.8", "--sglang-server-concurrency", "7")
-    assert c.sglang_args == ["--sglang-attention-backend", "torch_sdpa", "--sglang-enable-torch-compile",
-                             "--sglang-mem-fraction-static=0.8"]
+    c = resolve(
+        *SD35,
+        "--rollout-batch-size",
+        "1",
+        "--sglang-attention-backend",
+        "torch_sdpa",
+        "--sglang-enable-torch-compile",
+        "--sglang-mem-fraction-static=0.8",
+        "--sglang-server-concurrency",
+        "7",
+    )
+    assert c.sglang_args == [
+        "--sglang-attention-backend",
+        "torch_sdpa",
+        "--sglang-enable-torch-compile",
+        "--sglang-mem-fraction-static=0.8",
+    ]
     assert c.sglang_server_concurrency == 7
 
 
@@ -249,13 +296,16 @@ def write(tmp_path, text):
 
 @pytest.mark.exercises("--custom-config-path")
 def test_yaml_overrides_with_a_warning(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         rollout_batch_size: 6
         n-samples-per-prompt: 4
         diffusion_clip_range: 1e-5
         lora_target_modules: [to_q, to_k]
         use_lora: true
-    """)
+    """,
+    )
     c = resolve(*SD35, "--rollout-batch-size", "2", "--lr", "3e-4", "--custom-config-path", path)
     assert (c.rollout_batch_size, c.n_samples_per_prompt, c.diffusion_clip_range) == (6, 4, 1e-5)
     assert c.lora_target_modules == ["to_q", "to_k"] and c.use_lora is True
@@ -326,10 +376,16 @@ def test_config_command_prints_yaml_with_providers():
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--rollout-batch-size", "2", "--save-interval", "3"], "miles-core config: error: --save-interval requires --save (where to write checkpoints)\n"),
+        (
+            ["--rollout-batch-size", "2", "--save-interval", "3"],
+            "miles-core config: error: --save-interval requires --save (where to write checkpoints)\n",
+        ),
         (["--rollout-batch-size", "two"], "miles-core config: error: argument --rollout-batch-size: expected an integer, got 'two'\n"),
         (["--rollout-batch-size", "2", "--no-such-flag"], "miles-core config: error: unrecognized arguments: --no-such-flag\n"),
-        (["--rollout-batch-size", "2", "--train-dp-split-mode", "random"], "miles-core config: error: argument --train-dp-split-mode: invalid choice: 'random' (choose from 'contiguous', 'stride')\n"),
+        (
+            ["--rollout-batch-size", "2", "--train-dp-split-mode", "random"],
+            "miles-core config: error: argument --train-dp-split-mode: invalid choice: 'random' (choose from 'contiguous', 'stride')\n",
+        ),
     ],
 )
 def test_config_command_errors_are_one_line_exit_2(args, expected):
@@ -342,9 +398,25 @@ def test_config_command_errors_are_one_line_exit_2(args, expected):
 def test_help_is_grouped():
     result = run_cli("config", "--help")
     assert result.returncode == 0
-    for title in ("Cluster:", "Training backend:", "Optimizer and schedule:", "Rollout:", "Data and batching:", "Evaluation:",
-                  "Algorithm and loss:", "Reward:", "Rollout customization hooks:", "LoRA:", "EMA:", "Checkpointing:",
-                  "Logging:", "Fault tolerance:", "Debugging:", "CI:", "Reward (plugin miles-rewards):"):
+    for title in (
+        "Cluster:",
+        "Training backend:",
+        "Optimizer and schedule:",
+        "Rollout:",
+        "Data and batching:",
+        "Evaluation:",
+        "Algorithm and loss:",
+        "Reward:",
+        "Rollout customization hooks:",
+        "LoRA:",
+        "EMA:",
+        "Checkpointing:",
+        "Logging:",
+        "Fault tolerance:",
+        "Debugging:",
+        "CI:",
+        "Reward (plugin miles-rewards):",
+    ):
         assert f"\n{title}\n" in result.stdout, title
 
 
@@ -377,10 +449,19 @@ def test_eval_config_is_refused_for_training_with_the_alternative():
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--diffusion-noise-level", "0"], "--loss-type policy_loss needs stochastic steps, but --diffusion-sde-type sde with --diffusion-noise-level 0.0 samples deterministically (no log-prob to train on)"),
-        (["--diffusion-kl-beta", "0.04"], "--diffusion-kl-beta 0.04 needs a reference policy: --use-lora (reference = LoRA disabled) or --use-ema --ref-mode ema"),
+        (
+            ["--diffusion-noise-level", "0"],
+            "--loss-type policy_loss needs stochastic steps, but --diffusion-sde-type sde with --diffusion-noise-level 0.0 samples deterministically (no log-prob to train on)",
+        ),
+        (
+            ["--diffusion-kl-beta", "0.04"],
+            "--diffusion-kl-beta 0.04 needs a reference policy: --use-lora (reference = LoRA disabled) or --use-ema --ref-mode ema",
+        ),
         (["--ref-mode", "ema"], "--ref-mode ema requires --use-ema (the EMA is the reference)"),
-        (["--loss-type", "nft", "--diffusion-kl-beta", "0.1"], "--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)"),
+        (
+            ["--loss-type", "nft", "--diffusion-kl-beta", "0.1"],
+            "--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)",
+        ),
     ],
 )
 @pytest.mark.exercises("--diffusion-noise-level")

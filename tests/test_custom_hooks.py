@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError, RunError
 from miles_core.rollout.seeds import microgroups
 from miles_core.training.debug_data import load_rollout_data
-from miles_core.training.run import RunError, train
+from miles_core.training.run import train
 from tests import custom_hooks_example as hooks
 
 HOOKS = "tests.custom_hooks_example"
@@ -29,12 +29,32 @@ def calls():
 
 def base_args(tiny_sd3, out, prompts=None):
     return [
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3",
+        "--hf-checkpoint",
+        str(tiny_sd3),
+        "--diffusion-model-family",
+        "sd3",
         *(["--prompt-data", str(prompts)] if prompts else []),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", "2", "--diffusion-num-sde-steps", "1", "--diffusion-height", "32",
-        "--diffusion-width", "32", "--rm-type", "jpeg_incompressibility", "--use-lora", "--lora-rank", "4",
-        "--output-dir", str(out),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-microgroup-size",
+        "2",
+        "--diffusion-num-steps",
+        "2",
+        "--diffusion-num-sde-steps",
+        "1",
+        "--diffusion-height",
+        "32",
+        "--diffusion-width",
+        "32",
+        "--rm-type",
+        "jpeg_incompressibility",
+        "--use-lora",
+        "--lora-rank",
+        "4",
+        "--output-dir",
+        str(out),
     ]
 
 
@@ -52,19 +72,36 @@ def of(calls, kind):
 def test_rollout_function_replaces_the_rollout_and_is_the_default_eval_rollout(tiny_sd3, prompts, tmp_path, calls):
     saved = str(tmp_path / "rollouts" / "{}.msgpack")
     records = run(
-        tiny_sd3, tmp_path / "run", "--num-rollout", "2", "--rollout-function-path", f"{HOOKS}.own_seed_rollout",
-        "--eval-prompt-data", "e", str(prompts), *EVAL, "--save-debug-rollout-data", saved, prompts=prompts,
+        tiny_sd3,
+        tmp_path / "run",
+        "--num-rollout",
+        "2",
+        "--rollout-function-path",
+        f"{HOOKS}.own_seed_rollout",
+        "--eval-prompt-data",
+        "e",
+        str(prompts),
+        *EVAL,
+        "--save-debug-rollout-data",
+        saved,
+        prompts=prompts,
     )
     for rollout_id in (0, 1):
         # The samples trained on are the function's: its own seed stream, not --rollout-seed's.
         samples, _ = load_rollout_data(saved, rollout_id)
-        expected = [mg.seed + i for g in (2 * rollout_id, 2 * rollout_id + 1) for mg in microgroups(hooks.OWN_SEED, g, 2, 2)
-                    for i in range(mg.size)]
+        expected = [
+            mg.seed + i for g in (2 * rollout_id, 2 * rollout_id + 1) for mg in microgroups(hooks.OWN_SEED, g, 2, 2) for i in range(mg.size)
+        ]
         assert [s.seed for s in samples] == expected
     assert all("train/loss" in r and "rollout/reward/raw_mean" in r for r in records)
     # Without --eval-function-path it also runs the evaluations (before training, after each rollout).
-    assert of(calls, "rollout") == [(0, True, "EvalPrompts"), (0, False, "PromptSource"), (0, True, "EvalPrompts"),
-                                    (1, False, "PromptSource"), (1, True, "EvalPrompts")]
+    assert of(calls, "rollout") == [
+        (0, True, "EvalPrompts"),
+        (0, False, "PromptSource"),
+        (0, True, "EvalPrompts"),
+        (1, False, "PromptSource"),
+        (1, True, "EvalPrompts"),
+    ]
     assert "eval/e/paired_gain" in records[1]
 
 
@@ -72,8 +109,15 @@ def test_rollout_function_replaces_the_rollout_and_is_the_default_eval_rollout(t
 def test_a_sync_rollout_function_supplies_its_own_prompts_without_the_global_dataset(tiny_sd3, tmp_path, calls):
     saved = str(tmp_path / "rollouts" / "{}.msgpack")
     records = run(
-        tiny_sd3, tmp_path / "run", "--num-rollout", "1", "--disable-rollout-global-dataset",
-        "--rollout-function-path", f"{HOOKS}.own_prompts_rollout", "--save-debug-rollout-data", saved,
+        tiny_sd3,
+        tmp_path / "run",
+        "--num-rollout",
+        "1",
+        "--disable-rollout-global-dataset",
+        "--rollout-function-path",
+        f"{HOOKS}.own_prompts_rollout",
+        "--save-debug-rollout-data",
+        saved,
         prompts=tmp_path / "not-there.jsonl",  # never read
     )
     assert of(calls, "own prompts") == [(0, None)]  # no data source to hand it
@@ -85,8 +129,18 @@ def test_a_sync_rollout_function_supplies_its_own_prompts_without_the_global_dat
 @pytest.mark.exercises("--eval-function-path")
 def test_eval_function_replaces_the_evaluation_and_wins_over_the_rollout_function(tiny_sd3, prompts, tmp_path, calls):
     (record,) = run(
-        tiny_sd3, tmp_path / "run", "--num-rollout", "1", "--eval-prompt-data", "e", str(prompts), *EVAL,
-        "--eval-function-path", f"{HOOKS}.black_eval", "--rollout-function-path", f"{HOOKS}.own_seed_rollout",
+        tiny_sd3,
+        tmp_path / "run",
+        "--num-rollout",
+        "1",
+        "--eval-prompt-data",
+        "e",
+        str(prompts),
+        *EVAL,
+        "--eval-function-path",
+        f"{HOOKS}.black_eval",
+        "--rollout-function-path",
+        f"{HOOKS}.own_seed_rollout",
         prompts=prompts,
     )
     # Black images score alike: the built-in evaluation's random images would not.
@@ -99,8 +153,17 @@ def test_eval_function_replaces_the_evaluation_and_wins_over_the_rollout_functio
 @pytest.mark.exercises("--custom-generate-function-path")
 def test_custom_generate_function_sends_every_request_of_the_built_in_rollout(tiny_sd3, prompts, tmp_path, calls):
     run(
-        tiny_sd3, tmp_path / "run", "--num-rollout", "1", "--custom-generate-function-path", f"{HOOKS}.recording_generate",
-        "--eval-prompt-data", "e", str(prompts), *EVAL, prompts=prompts,
+        tiny_sd3,
+        tmp_path / "run",
+        "--num-rollout",
+        "1",
+        "--custom-generate-function-path",
+        f"{HOOKS}.recording_generate",
+        "--eval-prompt-data",
+        "e",
+        str(prompts),
+        *EVAL,
+        prompts=prompts,
     )
     requests = of(calls, "generate")
     train_requests = [r for r in requests if r[3]]
@@ -112,8 +175,13 @@ def test_custom_generate_function_sends_every_request_of_the_built_in_rollout(ti
 
 @pytest.mark.exercises("--data-source-path", "--disable-rollout-global-dataset")
 def test_data_source_serves_the_prompts_and_resumes_from_a_checkpoint(tiny_sd3, tmp_path, calls):
-    source = ("--disable-rollout-global-dataset", "--data-source-path", f"{HOOKS}.CursorSource",
-              "--custom-rollout-log-function-path", f"{HOOKS}.record_log")
+    source = (
+        "--disable-rollout-global-dataset",
+        "--data-source-path",
+        f"{HOOKS}.CursorSource",
+        "--custom-rollout-log-function-path",
+        f"{HOOKS}.record_log",
+    )
     run(tiny_sd3, tmp_path / "whole", "--num-rollout", "3", *source)
     served = of(calls, "batch")
     assert served == [(0, ["a cat", "a dog"]), (1, ["a fox", "a cat"]), (2, ["a dog", "a fox"])]
@@ -134,9 +202,19 @@ def test_data_source_serves_the_prompts_and_resumes_from_a_checkpoint(tiny_sd3, 
 def test_log_functions_replace_the_default_rollout_and_eval_logging(tiny_sd3, prompts, tmp_path, calls):
     out = tmp_path / "run"
     records = run(
-        tiny_sd3, out, "--num-rollout", "2", "--eval-prompt-data", "e", str(prompts), *EVAL,
-        "--custom-rollout-log-function-path", f"{HOOKS}.skip_first_rollout_log",
-        "--custom-eval-rollout-log-function-path", f"{HOOKS}.skip_eval_log", prompts=prompts,
+        tiny_sd3,
+        out,
+        "--num-rollout",
+        "2",
+        "--eval-prompt-data",
+        "e",
+        str(prompts),
+        *EVAL,
+        "--custom-rollout-log-function-path",
+        f"{HOOKS}.skip_first_rollout_log",
+        "--custom-eval-rollout-log-function-path",
+        f"{HOOKS}.skip_eval_log",
+        prompts=prompts,
     )
     # Rollout 0: the function returned True, so no rollout/* keys; the rest of the record stays.
     assert not [k for k in records[0] if k.startswith("rollout/")]
@@ -157,8 +235,7 @@ def test_log_functions_replace_the_default_rollout_and_eval_logging(tiny_sd3, pr
 
 @pytest.mark.exercises("--model-backend-path")
 def test_model_backend_loads_the_family_the_trainer_and_engine_share(tiny_sd3, prompts, tmp_path, calls):
-    (record,) = run(tiny_sd3, tmp_path / "run", "--num-rollout", "1", "--model-backend-path", f"{HOOKS}.counting_backend",
-                    prompts=prompts)
+    (record,) = run(tiny_sd3, tmp_path / "run", "--num-rollout", "1", "--model-backend-path", f"{HOOKS}.counting_backend", prompts=prompts)
     ((family,),) = of(calls, "backend")  # loaded once
     assert family.predictions["sampling"] > 0 and family.predictions["training"] > 0
     assert "train/loss" in record
@@ -171,14 +248,20 @@ def errors_of(*args):
 
 
 @pytest.mark.exercises(
-    "--rollout-function-path", "--eval-function-path", "--data-source-path", "--disable-rollout-global-dataset",
-    "--custom-rollout-log-function-path", "--model-backend-path",
+    "--rollout-function-path",
+    "--eval-function-path",
+    "--data-source-path",
+    "--disable-rollout-global-dataset",
+    "--custom-rollout-log-function-path",
+    "--model-backend-path",
 )
 def test_hooks_that_do_not_fit_are_configuration_errors_naming_the_flag(tiny_sd3, prompts, tmp_path):
     base = base_args(tiny_sd3, tmp_path / "run", prompts)
     (message,) = errors_of(*base, "--rollout-function-path", f"{HOOKS}.two_arguments")
-    assert message.startswith(f"--rollout-function-path {HOOKS}.two_arguments: must be a function "
-                              "(config, rollout_id, engine, data_source) -> list[Sample], got function two_arguments(")
+    assert message.startswith(
+        f"--rollout-function-path {HOOKS}.two_arguments: must be a function "
+        "(config, rollout_id, engine, data_source) -> list[Sample], got function two_arguments("
+    )
     (message,) = errors_of(*base, "--eval-function-path", f"{HOOKS}.no_such_function")
     assert message == f"--eval-function-path {HOOKS}.no_such_function: module '{HOOKS}' has no attribute 'no_such_function'"
     (message,) = errors_of(*base, "--data-source-path", f"{HOOKS}.record_log")
@@ -188,8 +271,7 @@ def test_hooks_that_do_not_fit_are_configuration_errors_naming_the_flag(tiny_sd3
     (message,) = errors_of(*base, "--model-backend-path", f"{HOOKS}.two_arguments")
     assert "must be a function (config) -> miles_core.family.ModelFamily instance" in message
     # A rollout function that also evaluates must take the evaluation keyword.
-    (message,) = errors_of(*base, "--rollout-function-path", f"{HOOKS}.own_prompts_rollout", *EVAL,
-                           "--eval-prompt-data", "e", str(prompts))
+    (message,) = errors_of(*base, "--rollout-function-path", f"{HOOKS}.own_prompts_rollout", *EVAL, "--eval-prompt-data", "e", str(prompts))
     assert "it also runs the evaluations (no --eval-function-path), so it must accept the keyword argument evaluation" in message
     (message,) = errors_of(*base, "--num-rollout", "1", "--disable-rollout-global-dataset")
     assert message.startswith("--disable-rollout-global-dataset: nothing would supply the prompts")
@@ -200,17 +282,23 @@ def test_hooks_that_do_not_fit_are_configuration_errors_naming_the_flag(tiny_sd3
 
 
 @pytest.mark.exercises(
-    "--rollout-function-path", "--custom-generate-function-path", "--data-source-path",
-    "--custom-rollout-log-function-path", "--model-backend-path",
+    "--rollout-function-path",
+    "--custom-generate-function-path",
+    "--data-source-path",
+    "--custom-rollout-log-function-path",
+    "--model-backend-path",
 )
-@pytest.mark.parametrize(("flag", "hook", "rule"), [
-    ("--rollout-function-path", "returns_a_dict", "must return a list of Sample, got dict"),
-    ("--rollout-function-path", "drops_a_sample", "returned 3 samples, not whole groups of --n-samples-per-prompt 2"),
-    ("--custom-generate-function-path", "drops_an_output", "returned 1 outputs for a request of 2"),
-    ("--data-source-path", "StringSource", "batch(0) must return a list of miles_core.rollout.data.PromptRecord"),
-    ("--custom-rollout-log-function-path", "says_yes", "must return True (skip the default logging), False or None, got str"),
-    ("--model-backend-path", "pipeline_backend", "must return a miles_core.family.ModelFamily instance"),
-])
+@pytest.mark.parametrize(
+    ("flag", "hook", "rule"),
+    [
+        ("--rollout-function-path", "returns_a_dict", "must return a list of Sample, got dict"),
+        ("--rollout-function-path", "drops_a_sample", "returned 3 samples, not whole groups of --n-samples-per-prompt 2"),
+        ("--custom-generate-function-path", "drops_an_output", "returned 1 outputs for a request of 2"),
+        ("--data-source-path", "StringSource", "batch(0) must return a list of miles_core.rollout.data.PromptRecord"),
+        ("--custom-rollout-log-function-path", "says_yes", "must return True (skip the default logging), False or None, got str"),
+        ("--model-backend-path", "pipeline_backend", "must return a miles_core.family.ModelFamily instance"),
+    ],
+)
 def test_a_wrong_return_value_stops_the_run_with_one_line_naming_the_flag(tiny_sd3, prompts, tmp_path, flag, hook, rule):
     with pytest.raises(RunError) as info:
         run(tiny_sd3, tmp_path / "run", "--num-rollout", "1", flag, f"{HOOKS}.{hook}", prompts=prompts)

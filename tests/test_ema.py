@@ -1,4 +1,4 @@
-"""EMA decay schedule and update rule against formulas written out here (DESIGN section 7)."""
+"""EMA decay schedule and update rule against formulas written out here (docs/design.md, "Advantages, losses and the EMA")."""
 
 from __future__ import annotations
 

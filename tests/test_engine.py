@@ -1,4 +1,4 @@
-"""The embedded engine against the ``/rollout/generate`` contract (DESIGN sections 5-7).
+"""The embedded engine against docs/design.md, "The wire contract" (and its seed and SDE-step sections).
 
 Pinned here: output *i* of a request equals a one-output request with seed ``seed + i``;
 the same request is bit-identical on a rerun; log-probs are 0 on ODE steps and the
@@ -16,12 +16,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from miles_sd3.family import SD3Family
 
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
+from miles_core.errors import RequestError
 from miles_core.family import Conditioning
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.sde import score_streams
+from miles_sd3.family import SD3Family
 
 torch.set_num_threads(1)
 
@@ -40,8 +41,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> EmbeddedEngine:
 
 def request(**overrides) -> RolloutRequest:
     fields = dict(
-        prompt=PROMPT, seed=1234, height=SIZE, width=SIZE, num_inference_steps=STEPS, guidance_scale=4.5,
-        rollout_return_dit_trajectory=True, rollout_return_denoising_env=True,
+        prompt=PROMPT,
+        seed=1234,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=4.5,
+        rollout_return_dit_trajectory=True,
+        rollout_return_denoising_env=True,
     )
     return RolloutRequest(**{**fields, **overrides})
 
@@ -128,9 +135,7 @@ def recompute_log_probs(engine: EmbeddedEngine, output: RolloutOutput, req: Roll
     cond = Conditioning(batch1(env["pos_cond_kwargs"]), batch1(env["neg_cond_kwargs"]))
     params = family.resolve_params(req)
     assert env["guidance"]["guidance_scale"] == params.guidance_scale
-    backend = engine.backends[req.rollout_sde_type](
-        noise_level=req.rollout_noise_level, log_prob_no_const=req.rollout_log_prob_no_const
-    )
+    backend = engine.backends[req.rollout_sde_type](noise_level=req.rollout_noise_level, log_prob_no_const=req.rollout_log_prob_no_const)
     sigmas, timesteps, latents = traj["sigmas"], traj["timesteps"], traj["latents"]
     sigma_max = float(sigmas[1])
     out = torch.zeros(STEPS)
@@ -183,9 +188,7 @@ def test_cps_with_no_const_log_prob_end_to_end(engine: EmbeddedEngine) -> None:
 
 
 def test_evaluation_request_returns_pixels_only(engine: EmbeddedEngine) -> None:
-    outputs = engine.generate_sync(
-        request(rollout=False, num_outputs_per_prompt=2, rollout_debug_mode=True)
-    )
+    outputs = engine.generate_sync(request(rollout=False, num_outputs_per_prompt=2, rollout_debug_mode=True))
     assert len(outputs) == 2
     for output in outputs:
         assert output.generated_output.shape == (3, SIZE, SIZE)
@@ -227,7 +230,9 @@ def test_debug_tensors_have_the_contract_shapes(engine: EmbeddedEngine) -> None:
         for k in (0, 2):
             rebuilt = debug["rollout_prev_sample_means"][k] + std[k] * noises[k]
             assert torch.allclose(rebuilt, latents[k + 1], atol=1e-6)
-    assert (outputs[0].rollout_debug_tensors["rollout_variance_noises"] != outputs[1].rollout_debug_tensors["rollout_variance_noises"]).any()
+    assert (
+        outputs[0].rollout_debug_tensors["rollout_variance_noises"] != outputs[1].rollout_debug_tensors["rollout_variance_noises"]
+    ).any()
 
 
 @pytest.mark.parametrize(("overrides", "field"), [({"height": 50}, "height"), ({"num_frames": 3}, "num_frames")])

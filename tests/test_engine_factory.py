@@ -24,11 +24,27 @@ class HalfNoiseCps(CpsBackend):
 
 
 def config_for(tiny_sd3, *extra):
-    return resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-        "--n-samples-per-prompt", "2", "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2",
-        "--diffusion-height", "32", "--diffusion-width", "32", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--diffusion-model-family",
+            "sd3",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            *extra,
+        ]
+    )
 
 
 def test_embedded_engine_from_config_runs_a_rollout(tiny_sd3):
@@ -58,31 +74,48 @@ def test_custom_sde_backend_path_is_served_under_its_path(tiny_sd3):
     assert std is None
     # Control: the built-in cps gives other samples from the same seeds.
     plain = config_for(tiny_sd3, "--diffusion-sde-type", "cps", "--diffusion-log-prob-no-const")
-    (other,) = asyncio.run(generate_rollout(create_engine(plain), RolloutSettings.from_config(plain), 0,
-                                            [PromptRecord("a red cube")], strategy))
+    (other,) = asyncio.run(
+        generate_rollout(create_engine(plain), RolloutSettings.from_config(plain), 0, [PromptRecord("a red cube")], strategy)
+    )
     assert not torch.equal(group[0].pixels, other[0].pixels)
 
 
 @pytest.mark.exercises("--rollout-engine", "--rollout-engine-urls", "--sglang-server-concurrency")
 def test_http_engine_from_config():
-    config = resolve_config([
-        "--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "1",
-        "--rollout-engine", "http", "--rollout-engine-urls", "http://127.0.0.1:1,http://127.0.0.1:2",
-        "--sglang-server-concurrency", "3",
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            "stabilityai/stable-diffusion-3.5-medium",
+            "--rollout-batch-size",
+            "1",
+            "--rollout-engine",
+            "http",
+            "--rollout-engine-urls",
+            "http://127.0.0.1:1,http://127.0.0.1:2",
+            "--sglang-server-concurrency",
+            "3",
+        ]
+    )
     engine = create_engine(config)
     assert isinstance(engine, HttpEngine)
     assert engine.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and engine.max_concurrency == 3
 
 
 def test_microgroups_of_one_prompt_encode_it_once(tiny_sd3):
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.request import RolloutRequest
 
     config = config_for(tiny_sd3)
     engine = create_engine(config)
     cache = engine.conditioning_cache
-    request = RolloutRequest(prompt="a blue ball", seed=3, num_inference_steps=2, height=32, width=32,
-                             num_outputs_per_prompt=2, rollout_return_dit_trajectory=True)
+    request = RolloutRequest(
+        prompt="a blue ball",
+        seed=3,
+        num_inference_steps=2,
+        height=32,
+        width=32,
+        num_outputs_per_prompt=2,
+        rollout_return_dit_trajectory=True,
+    )
     first = engine.generate_sync(request)
     second = engine.generate_sync(request)
     assert (cache.misses, cache.hits) == (1, 1)

@@ -20,15 +20,22 @@ import miles_core.training.weight_sync as weight_sync
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.fleet import EngineFleet
 from miles_core.engine.health import DOWN, HEALTHY
-from miles_core.engine.http import EngineRequestError, HttpEngine
-from miles_core.engine.request import RolloutRequest
+from miles_core.engine.http import HttpEngine
+from miles_core.errors import EngineRequestError
+from miles_core.request import RolloutRequest
 from miles_core.training.debug_data import load_rollout_data
 from tests.test_server import assert_same
 from tests.tiny_runs import run_metrics, tiny_run_args
 
 PROMPTS = ['{"input": "a red cube"}', '{"input": "a blue ball"}']
-REQUEST = RolloutRequest(prompt="a red cube", seed=11, num_inference_steps=3, num_outputs_per_prompt=2,
-                         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
+REQUEST = RolloutRequest(
+    prompt="a red cube",
+    seed=11,
+    num_inference_steps=3,
+    num_outputs_per_prompt=2,
+    rollout_return_dit_trajectory=True,
+    rollout_return_denoising_env=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,9 @@ def prompts(tmp_path_factory) -> Path:
 def fleet(tiny_sd3, tmp_path_factory):
     """Two tiny serve-engine servers shared by the engine-level tests (each test leaves
     them running and not stopped)."""
-    started = EngineFleet.start(tiny_sd3, 2, tmp_path_factory.mktemp("fleet"), "--diffusion-model-family", "sd3",
-                                "--device", "cpu", timeout=120, threads=1)
+    started = EngineFleet.start(
+        tiny_sd3, 2, tmp_path_factory.mktemp("fleet"), "--diffusion-model-family", "sd3", "--device", "cpu", timeout=120, threads=1
+    )
     yield started
     started.stop(timeout=5)
 
@@ -84,8 +92,13 @@ def assert_the_kill_changed_nothing(records: list[dict], calm: list[dict], kille
         assert len(got) == len(want) == 8
         assert_same(got_rewards, want_rewards)
         for g, w in zip(got, want):
-            assert (g.seed, g.group_index, g.index_in_group, g.sde_step_indices, g.reward) == \
-                   (w.seed, w.group_index, w.index_in_group, w.sde_step_indices, w.reward)
+            assert (g.seed, g.group_index, g.index_in_group, g.sde_step_indices, g.reward) == (
+                w.seed,
+                w.group_index,
+                w.index_in_group,
+                w.sde_step_indices,
+                w.reward,
+            )
         _same_outputs([w.output for w in want], [g.output for g in got])
 
 
@@ -111,14 +124,15 @@ def recording_sync(seen: dict):
     async def recording(engine, modules, config):
         result = await original(engine, modules, config)
         reported = await engine.weights_checksums(list(result.checksums))
-        seen["syncs"].append({"urls": sorted(reported), "sent": dict(result.checksums), "reported": reported,
-                              "posts_before": len(seen["posts"])})
+        seen["syncs"].append(
+            {"urls": sorted(reported), "sent": dict(result.checksums), "reported": reported, "posts_before": len(seen["posts"])}
+        )
         return result
 
     return recording
 
 
-async def _poll(condition, what: str, timeout: float = 120.0) -> None:
+async def poll(condition, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -129,8 +143,7 @@ async def _poll(condition, what: str, timeout: float = 120.0) -> None:
 def _comparable(records: list[dict]) -> list[dict]:
     """The records without timings (perf/*, *_time) and fault counters
     (rollout/engine_*): what a disturbed run must share with an undisturbed one."""
-    return [{k: v for k, v in r.items()
-             if not k.startswith(("perf/", "rollout/engine_")) and not k.endswith("_time")} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "rollout/engine_")) and not k.endswith("_time")} for r in records]
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -143,8 +156,11 @@ def _disturbed_run(tiny_sd3, prompts, out: Path, monkeypatch, *, kill: bool) -> 
     two requests one at a time)."""
     seen: dict = {"fleets": [], "posts": [], "syncs": [], "killed_pid": None, "generates": 0}
     original_start = EngineFleet.start.__func__
-    monkeypatch.setattr(EngineFleet, "start", classmethod(
-        lambda cls, *args, **kw: seen["fleets"].append(original_start(cls, *args, **kw)) or seen["fleets"][-1]))
+    monkeypatch.setattr(
+        EngineFleet,
+        "start",
+        classmethod(lambda cls, *args, **kw: seen["fleets"].append(original_start(cls, *args, **kw)) or seen["fleets"][-1]),
+    )
 
     original_post = HttpEngine._post
 
@@ -160,7 +176,7 @@ def _disturbed_run(tiny_sd3, prompts, out: Path, monkeypatch, *, kill: bool) -> 
         if kill and seen["generates"] > 4:
             # Rollout 1 waits for the restarted engine, so that the run exercises it (the
             # restart itself runs in the background while rollout 0 goes on without it).
-            await _poll(lambda: self.supervisor.state[0] == HEALTHY, "engine 0 restarted")
+            await poll(lambda: self.supervisor.state[0] == HEALTHY, "engine 0 restarted")
         outputs = await original_generate(self, request)
         if kill and seen["killed_pid"] is None and self.in_flight[0]:
             seen["killed_pid"], seen["killed_url"] = fleet.engines[0].process.pid, fleet.engines[0].url
@@ -174,12 +190,32 @@ def _disturbed_run(tiny_sd3, prompts, out: Path, monkeypatch, *, kill: bool) -> 
     monkeypatch.setattr(HttpEngine, "generate", generate)
     monkeypatch.setattr(EngineFleet, "restart", restart_after_first_sync(EngineFleet.restart, seen, "_stopped"))
     monkeypatch.setattr(weight_sync, "sync_to_engine", recording_sync(seen))
-    args = [*tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1), "--num-rollout", "2",
-            "--lr", "3e-2", "--rollout-engine", "http", "--rollout-num-engines", "2", "--use-fault-tolerance",
-            "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "10",
-            # The engines sample the EMA policy: a re-sync must send that, not the live weights.
-            "--use-ema", "--ema-rollout-policy", "ema", "--ema-decay-init", "0.5", "--ema-decay-flat-steps", "100",
-            "--save-debug-rollout-data", str(out / "rollouts" / "{}.msgpack")]
+    args = [
+        *tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1),
+        "--num-rollout",
+        "2",
+        "--lr",
+        "3e-2",
+        "--rollout-engine",
+        "http",
+        "--rollout-num-engines",
+        "2",
+        "--use-fault-tolerance",
+        "--rollout-health-check-interval",
+        "0.5",
+        "--rollout-health-check-timeout",
+        "10",
+        # The engines sample the EMA policy: a re-sync must send that, not the live weights.
+        "--use-ema",
+        "--ema-rollout-policy",
+        "ema",
+        "--ema-decay-init",
+        "0.5",
+        "--ema-decay-flat-steps",
+        "100",
+        "--save-debug-rollout-data",
+        str(out / "rollouts" / "{}.msgpack"),
+    ]
     seen["records"] = run_metrics(args, timeout=400)
     monkeypatch.undo()
     return seen
@@ -216,7 +252,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tiny
     first_check = posts.index(("/get_weights_checksum", new_url))
     assert first_check < syncs[resync]["posts_before"] <= first_request
     # Once dead, the killed engine got no weight update (syncs go to healthy engines).
-    assert ("/update_weights_from_tensor", disturbed["killed_url"]) not in posts[disturbed["killed_at"]:]
+    assert ("/update_weights_from_tensor", disturbed["killed_url"]) not in posts[disturbed["killed_at"] :]
     assert len(syncs) == 4 and [len(s["urls"]) for s in syncs].count(2) >= 2
     # The undisturbed run's every sync went to both engines.
     assert all(len(s["urls"]) == 2 for s in calm["syncs"])
@@ -226,16 +262,33 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tiny
 
 
 def _config(urls: list[str], tiny_sd3, prompts, tmp_path, *extra: str):
-    return resolve_config([*tiny_run_args(tiny_sd3, prompts, tmp_path / "run"), "--rollout-engine", "http",
-                           "--rollout-engine-urls", ",".join(urls), *extra])
+    return resolve_config(
+        [*tiny_run_args(tiny_sd3, prompts, tmp_path / "run"), "--rollout-engine", "http", "--rollout-engine-urls", ",".join(urls), *extra]
+    )
 
 
-@pytest.mark.exercises("--rollout-health-check-interval", "--rollout-health-check-timeout",
-                       "--rollout-health-check-first-wait", "--miles-router-health-check-failure-threshold")
+@pytest.mark.exercises(
+    "--rollout-health-check-interval",
+    "--rollout-health-check-timeout",
+    "--rollout-health-check-first-wait",
+    "--miles-router-health-check-failure-threshold",
+)
 def test_health_checks_take_a_hung_engine_out_and_back_in(fleet, tiny_sd3, prompts, tmp_path):
-    config = _config(fleet.urls, tiny_sd3, prompts, tmp_path, "--use-fault-tolerance",
-                     "--rollout-health-check-first-wait", "1.0", "--rollout-health-check-interval", "0.2",
-                     "--rollout-health-check-timeout", "1", "--miles-router-health-check-failure-threshold", "2")
+    config = _config(
+        fleet.urls,
+        tiny_sd3,
+        prompts,
+        tmp_path,
+        "--use-fault-tolerance",
+        "--rollout-health-check-first-wait",
+        "1.0",
+        "--rollout-health-check-interval",
+        "0.2",
+        "--rollout-health-check-timeout",
+        "1",
+        "--miles-router-health-check-failure-threshold",
+        "2",
+    )
     hung, other = fleet.engines[0], fleet.engines[1]
 
     async def main():
@@ -278,7 +331,7 @@ def test_health_checks_take_a_hung_engine_out_and_back_in(fleet, tiny_sd3, promp
                 await asyncio.wait_for(engine.generate(replace(REQUEST, seed=12)), 30)
                 assert engine.sent == [1, 2] and prepared == []
             # Running again, it passes a check, is prepared (weights) and rejoins.
-            await asyncio.wait_for(_poll(lambda: supervisor.state[0] == HEALTHY, "engine 0 back", 30), 35)
+            await asyncio.wait_for(poll(lambda: supervisor.state[0] == HEALTHY, "engine 0 back", 30), 35)
             assert prepared == [(hung.url, ["restarting", "healthy"])] and supervisor.restarts == 1
             again = await asyncio.wait_for(engine.generate(REQUEST), 30)
             assert engine.sent == [2, 2]
@@ -331,35 +384,43 @@ def test_fault_tolerance_settings_are_checked_and_noted(tiny_sd3, prompts, tmp_p
     base = tiny_run_args(tiny_sd3, prompts, tmp_path / "run")
     assert FaultTolerance.from_config(resolve_config(base)) is None
     # The configuration refuses such values whatever the engine (one line each).
-    from miles_core.config.errors import ConfigError
+    from miles_core.errors import ConfigError
 
-    for flag, value, rule in (("--miles-router-health-check-failure-threshold", "0", "must be at least 1"),
-                              ("--miles-router-timeout", "0", "must be positive"),
-                              ("--rollout-health-check-interval", "-1", "must be positive")):
+    for flag, value, rule in (
+        ("--miles-router-health-check-failure-threshold", "0", "must be at least 1"),
+        ("--miles-router-timeout", "0", "must be positive"),
+        ("--rollout-health-check-interval", "-1", "must be positive"),
+    ):
         with pytest.raises(ConfigError) as info:
             resolve_config([*base, flag, value])
-        assert f"{flag} {float(value) if flag != '--miles-router-health-check-failure-threshold' else value}: {rule}" \
-            in str(info.value)
-    notes = resolve_config([*base, "--rollout-health-check-interval", "5",
-                            "--miles-router-health-check-failure-threshold", "2"]).notes
-    assert ("--rollout-health-check-interval, --miles-router-health-check-failure-threshold: the engine health "
-            "checks run only under --use-fault-tolerance, so they have no effect") in notes, notes
+        assert f"{flag} {float(value) if flag != '--miles-router-health-check-failure-threshold' else value}: {rule}" in str(info.value)
+    notes = resolve_config([*base, "--rollout-health-check-interval", "5", "--miles-router-health-check-failure-threshold", "2"]).notes
+    assert (
+        "--rollout-health-check-interval, --miles-router-health-check-failure-threshold: the engine health "
+        "checks run only under --use-fault-tolerance, so they have no effect"
+    ) in notes, notes
     notes = resolve_config([*base, "--use-fault-tolerance", "--miles-router-timeout", "60"]).notes
     assert any(n.startswith("--use-fault-tolerance has no effect with --rollout-engine embedded") for n in notes), notes
-    assert ("--miles-router-timeout 60.0: no effect with --rollout-engine embedded (it bounds the requests of "
-            "--rollout-engine http and sglang)") in notes, notes
+    assert (
+        "--miles-router-timeout 60.0: no effect with --rollout-engine embedded (it bounds the requests of --rollout-engine http and sglang)"
+    ) in notes, notes
     http = [*base, "--rollout-engine", "http", "--rollout-engine-urls", "http://127.0.0.1:1"]
     sglang = [*base, "--rollout-engine", "sglang", "--sglang-python", "/opt/sglang/bin/python"]
     for remote in (http, sglang):
-        assert not [n for n in resolve_config([*remote, "--use-fault-tolerance", "--miles-router-timeout", "60",
-                                               "--rollout-health-check-timeout", "5"]).notes
-                    if "fault-tolerance" in n or "health-check" in n or "router" in n], remote
+        assert not [
+            n
+            for n in resolve_config(
+                [*remote, "--use-fault-tolerance", "--miles-router-timeout", "60", "--rollout-health-check-timeout", "5"]
+            ).notes
+            if "fault-tolerance" in n or "health-check" in n or "router" in n
+        ], remote
 
 
 def test_a_stopped_fleet_restarts_nothing(tmp_path):
     import subprocess
 
-    from miles_core.engine.fleet import FleetError, ServedEngine
+    from miles_core.engine.fleet import ServedEngine
+    from miles_core.errors import FleetError
 
     process = subprocess.Popen(["sleep", "60"])
     fleet = EngineFleet([ServedEngine(process, tmp_path / "engine_0.log")], checkpoint=tmp_path, log_dir=tmp_path)
@@ -393,8 +454,10 @@ def test_with_no_engine_left_a_request_fails_naming_every_engine():
             # One try per engine (each marked down on its refusal), then the wait for one to come back.
             assert engine.sent == [1, 1] and engine.supervisor.retries == 1
         message = str(info.value)
-        assert message.startswith(f"{urls[0]}, {urls[1]}: no response: no healthy engine within 1 s: {urls[0]} down "
-                                  "(a request got no answer: ClientConnectorError")
+        assert message.startswith(
+            f"{urls[0]}, {urls[1]}: no response: no healthy engine within 1 s: {urls[0]} down "
+            "(a request got no answer: ClientConnectorError"
+        )
         assert f"; {urls[1]} down (a request got no answer" in message
 
     asyncio.run(main())

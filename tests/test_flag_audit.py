@@ -13,16 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.flag import Flag
 from miles_core.config.parser import flag_entries
 from miles_core.config.resolve import resolve_config, training_errors
+from miles_core.errors import ConfigError
 from miles_core.flag_audit import audit_flags, exercised_flags, test_files_under
 from miles_core.plugin_manager import get_host
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+]
 
 
 def all_flags() -> list[Flag]:
@@ -169,8 +177,7 @@ def test_lora_settings_without_lora_are_an_error():
         resolve_config([*BASE, "--lora-rank", "8", "--lora-target-modules", "to_q"])
     assert caught.value.messages == [
         "--lora-rank requires --use-lora (without it the whole model is fine-tuned and LoRA settings do nothing)",
-        "--lora-target-modules requires --use-lora (without it the whole model is fine-tuned and LoRA settings do "
-        "nothing)",
+        "--lora-target-modules requires --use-lora (without it the whole model is fine-tuned and LoRA settings do nothing)",
     ]
     # The family's default targets are not the user's: no error without --use-lora.
     assert resolve_config(BASE).lora_target_modules
@@ -181,8 +188,7 @@ def test_rm_type_and_custom_rm_path_are_exclusive():
     with pytest.raises(ConfigError) as caught:
         resolve_config([*BASE, "--rm-type", "brightness", "--custom-rm-path", "asyncio.sleep"])
     assert caught.value.messages == [
-        "--rm-type brightness and --custom-rm-path asyncio.sleep are mutually exclusive (the custom reward replaces "
-        "the registered one)"
+        "--rm-type brightness and --custom-rm-path asyncio.sleep are mutually exclusive (the custom reward replaces the registered one)"
     ]
 
 
@@ -190,36 +196,37 @@ def test_rm_type_and_custom_rm_path_are_exclusive():
 def test_flags_the_chosen_loss_or_engine_does_not_read_are_noted():
     nft = resolve_config([*BASE, "--loss-type", "nft", "--diffusion-clip-range", "0.2"])
     assert "--diffusion-clip-range 0.2 has no effect with --loss-type nft (read by policy_loss only)" in nft.notes
-    grpo = resolve_config([*BASE, "--diffusion-nft-beta", "0.5", "--use-lora", "--ref-mode", "lora_base",
-                           "--lora-ipc-weight-sync"])
+    grpo = resolve_config([*BASE, "--diffusion-nft-beta", "0.5", "--use-lora", "--ref-mode", "lora_base", "--lora-ipc-weight-sync"])
     assert grpo.notes == [
         "--diffusion-nft-beta 0.5 has no effect with --loss-type policy_loss (read by nft only)",
         "--ref-mode lora_base has no effect: with --diffusion-kl-beta 0 no KL term compares against the reference",
-        "--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the trained module, "
-        "so no weights are sent",
+        "--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the trained module, so no weights are sent",
     ]
     # Controls: read by the loss / used by a KL term / a remote engine -> no note.
     assert resolve_config([*BASE, "--diffusion-clip-range", "0.2"]).notes == []
     assert resolve_config([*BASE, "--use-lora", "--ref-mode", "lora_base", "--diffusion-kl-beta", "0.01"]).notes == []
-    custom = resolve_config([*BASE, "--loss-type", "custom_loss", "--custom-loss-function-path", "os.path.join",
-                             "--diffusion-nft-beta", "0.5"])
+    custom = resolve_config(
+        [*BASE, "--loss-type", "custom_loss", "--custom-loss-function-path", "os.path.join", "--diffusion-nft-beta", "0.5"]
+    )
     assert custom.notes == []
 
 
 @pytest.mark.exercises("--ref-mode", "--loss-type")
 def test_nft_without_its_reference_stops_a_training_run():
     config = resolve_config([*BASE, "--loss-type", "nft", "--use-ema", "--ref-mode", "none"])
-    assert "--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or leave it " \
-           "unset" in training_errors(config)
+    assert "--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or leave it unset" in training_errors(
+        config
+    )
 
 
-@pytest.mark.exercises("--diffusion-train-iter-order", "--eval-prompt-data", "--skip-eval-before-train",
-                       "--diffusion-forward-dtype")
+@pytest.mark.exercises("--diffusion-train-iter-order", "--eval-prompt-data", "--skip-eval-before-train", "--diffusion-forward-dtype")
 def test_settings_without_their_feature_are_noted(tmp_path):
     order = ["--diffusion-train-iter-order", "timestep_major"]
     flat = resolve_config([*BASE, *order])
-    assert flat.notes == ["--diffusion-train-iter-order timestep_major has no effect without the 2-D tile "
-                          "(--micro-batch-size-sample and --micro-batch-size-tstep)"]
+    assert flat.notes == [
+        "--diffusion-train-iter-order timestep_major has no effect without the 2-D tile "
+        "(--micro-batch-size-sample and --micro-batch-size-tstep)"
+    ]
     tile = ["--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1"]
     assert resolve_config([*BASE, *order, *tile]).notes == []  # control: the tile reads it
     assert resolve_config([*BASE, *order, *tile, "--loss-type", "nft"]).notes == [
@@ -239,18 +246,17 @@ def test_settings_without_their_feature_are_noted(tmp_path):
         "world size > 1)"
     ]
     # With several ranks the master weights are kept in --fsdp-master-dtype: nothing to note.
-    assert resolve_config([*BASE, "--diffusion-forward-dtype", "bf16", "--use-ray", "--actor-num-gpus-per-node", "2"]
-                          ).notes == []
+    assert resolve_config([*BASE, "--diffusion-forward-dtype", "bf16", "--use-ray", "--actor-num-gpus-per-node", "2"]).notes == []
 
 
-@pytest.mark.exercises("--debug-rollout-only", "--diffusion-debug-mode", "--dump-details", "--save-debug-train-data",
-                       "--wandb-project", "--save-interval")
+@pytest.mark.exercises(
+    "--debug-rollout-only", "--diffusion-debug-mode", "--dump-details", "--save-debug-train-data", "--wandb-project", "--save-interval"
+)
 def test_debug_and_logging_settings_without_their_feature(tmp_path):
     sft = [*BASE, "--loss-type", "sft_loss"]
     with pytest.raises(ConfigError) as caught:
         resolve_config([*sft, "--debug-rollout-only"])
-    assert "--debug-rollout-only: --loss-type sft_loss has no rollouts, only training on --prompt-data rows" in \
-        caught.value.messages
+    assert "--debug-rollout-only: --loss-type sft_loss has no rollouts, only training on --prompt-data rows" in caught.value.messages
     assert resolve_config([*sft, "--dump-details", str(tmp_path)]).notes == [
         "--dump-details: --loss-type sft_loss has no rollouts to dump, so it has no effect"
     ]
@@ -272,8 +278,16 @@ def test_debug_and_logging_settings_without_their_feature(tmp_path):
 
 @pytest.mark.exercises("--diffusion-guidance-scale")
 def test_a_family_without_cfg_training_refuses_guided_rollouts():
-    ltx = ["--hf-checkpoint", "Lightricks/LTX-2", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-           "--diffusion-num-sde-steps", "2"]
+    ltx = [
+        "--hf-checkpoint",
+        "Lightricks/LTX-2",
+        "--rollout-batch-size",
+        "1",
+        "--n-samples-per-prompt",
+        "2",
+        "--diffusion-num-sde-steps",
+        "2",
+    ]
     assert training_errors(resolve_config([*ltx, "--diffusion-guidance-scale", "3"])) == [
         "--diffusion-guidance-scale 3.0: the ltx family does not train with classifier-free guidance (as in the "
         "reference), so rollouts must sample without it; use --diffusion-guidance-scale 1 (its recipe does)"

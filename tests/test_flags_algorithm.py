@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError
 from miles_core.losses import nft, policy_loss
 from tests.test_losses import nft_inputs, nft_reference
 
@@ -29,28 +29,44 @@ def resolve(*argv):
 
 
 def tiny_config(tiny_sd3, *extra):
-    return resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-        "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2", "--diffusion-num-steps", "4",
-        "--diffusion-height", "32", "--diffusion-width", "32", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--diffusion-model-family",
+            "sd3",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-microgroup-size",
+            "2",
+            "--diffusion-num-steps",
+            "4",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            *extra,
+        ]
+    )
 
 
 def rollout_and_trainer(config, loss_fn=None):
     """A fresh embedded engine (the trainer adds adapters to its modules), one rollout
     of one prompt, and a trainer on the engine's modules with the configured loss."""
-    from miles_core.engine.factory import create_engine
+    from miles_core.engine.factory import create_engine, sde_backend
     from miles_core.plugin_manager import get_host
     from miles_core.rollout.data import PromptRecord
     from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
-    from miles_core.training.run import _backend
     from miles_core.training.trainer import Trainer
 
     engine = create_engine(config)
-    (group,) = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0,
-                                            [PromptRecord("a red cube")], strategy_from_config(config)))
+    (group,) = asyncio.run(
+        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")], strategy_from_config(config))
+    )
     loss_fn = loss_fn or get_host().registries.loss.get(config.loss_type).load()
-    return group, Trainer(engine.family, config, _backend(config), loss_fn)
+    return group, Trainer(engine.family, config, sde_backend(config), loss_fn)
 
 
 # ------------------------------------------------------------------ advantage estimator
@@ -94,8 +110,16 @@ def test_nft_timestep_fraction_sets_the_steps_each_sample_trains_on(tiny_sd3):
             sigmas.extend(batch["sigma"].tolist())
             return nft(batch, config)
 
-        config = tiny_config(tiny_sd3, "--loss-type", "nft", "--diffusion-nft-timestep-fraction", fraction,
-                             "--micro-batch-size", "16", "--debug-skip-optimizer-step")
+        config = tiny_config(
+            tiny_sd3,
+            "--loss-type",
+            "nft",
+            "--diffusion-nft-timestep-fraction",
+            fraction,
+            "--micro-batch-size",
+            "16",
+            "--debug-skip-optimizer-step",
+        )
         group, trainer = rollout_and_trainer(config, recording)
         trainer.train_nft(group, ADVANTAGES)
         assert len(sigmas) == 2 * per_sample, fraction
@@ -112,13 +136,12 @@ def test_nft_timesteps_are_shuffled_unless_turned_off(tiny_sd3):
             seen.append(batch["sigma"].tolist())
             return nft(batch, config)
 
-        config = tiny_config(tiny_sd3, "--loss-type", "nft", "--micro-batch-size", "1",
-                             "--debug-skip-optimizer-step", *extra)
+        config = tiny_config(tiny_sd3, "--loss-type", "nft", "--micro-batch-size", "1", "--debug-skip-optimizer-step", *extra)
         group, trainer = rollout_and_trainer(config, recording)
         trainer.train_nft(group, ADVANTAGES)
         schedule = [float(s) for s in group[0].output.dit_trajectory["sigmas"][:4].float()]
         per_sample = len(seen) // 2
-        return [sum(seen[i * per_sample:(i + 1) * per_sample], []) for i in range(2)], schedule
+        return [sum(seen[i * per_sample : (i + 1) * per_sample], []) for i in range(2)], schedule
 
     # In order: the first int(4 x 0.5) = 2 schedule steps (the noisiest), for every sample.
     ordered, schedule = trained_sigmas("--no-diffusion-nft-shuffle-timesteps", "--diffusion-nft-timestep-fraction", "0.5")
@@ -154,9 +177,22 @@ def test_ref_mode_chooses_the_policy_the_kl_term_compares_to(tiny_sd3):
     """The live LoRA moved away from the base and the EMA set to it (decay 0): the KL to
     the EMA (``--ref-mode ema``) is zero, the KL to the LoRA-disabled model
     (``--ref-mode lora_base``) is not."""
+
     def kl(mode, *extra):
-        config = tiny_config(tiny_sd3, "--diffusion-num-sde-steps", "2", "--debug-skip-optimizer-step", "--use-lora",
-                             "--lora-rank", "2", "--diffusion-kl-beta", "0.04", "--ref-mode", mode, *extra)
+        config = tiny_config(
+            tiny_sd3,
+            "--diffusion-num-sde-steps",
+            "2",
+            "--debug-skip-optimizer-step",
+            "--use-lora",
+            "--lora-rank",
+            "2",
+            "--diffusion-kl-beta",
+            "0.04",
+            "--ref-mode",
+            mode,
+            *extra,
+        )
         group, trainer = rollout_and_trainer(config)
         assert trainer.reference_mode() == mode
         live = trainer.named_trainable()
@@ -176,8 +212,16 @@ def test_ref_mode_chooses_the_policy_the_kl_term_compares_to(tiny_sd3):
 @pytest.mark.exercises("--loss-type", "--custom-loss-function-path")
 def test_custom_loss_function_path_is_the_trainers_loss(tiny_sd3):
     calls.clear()
-    config = tiny_config(tiny_sd3, "--diffusion-num-sde-steps", "2", "--debug-skip-optimizer-step",
-                         "--loss-type", "custom_loss", "--custom-loss-function-path", f"{__name__}.scaled_policy_loss")
+    config = tiny_config(
+        tiny_sd3,
+        "--diffusion-num-sde-steps",
+        "2",
+        "--debug-skip-optimizer-step",
+        "--loss-type",
+        "custom_loss",
+        "--custom-loss-function-path",
+        f"{__name__}.scaled_policy_loss",
+    )
     group, trainer = rollout_and_trainer(config)  # the loss the run loads for --loss-type
     metrics = trainer.train_rollout(group, ADVANTAGES)
     assert calls and all(cfg is config for cfg in calls)
@@ -199,13 +243,16 @@ def scaled_policy_loss(batch, config):
 def _samples():
     # One image: R = 1, G = 0.5, B = 0 everywhere.
     pixels = torch.stack([torch.ones(8, 8), torch.full((8, 8), 0.5), torch.zeros(8, 8)])
-    return [SimpleNamespace(pixels=pixels, prompt="a red cube", metadata={}, reward=None),
-            SimpleNamespace(pixels=torch.zeros(3, 8, 8), prompt="night", metadata={}, reward=None)]
+    return [
+        SimpleNamespace(pixels=pixels, prompt="a red cube", metadata={}, reward=None),
+        SimpleNamespace(pixels=torch.zeros(3, 8, 8), prompt="night", metadata={}, reward=None),
+    ]
 
 
 @pytest.mark.exercises("--rm-type")
 def test_rm_type_selects_the_reward_samples_get():
-    from miles_core.training.rewards import RewardError, RewardScorer
+    from miles_core.errors import RewardError
+    from miles_core.training.rewards import RewardScorer
 
     samples = _samples()
     rewards = asyncio.run(RewardScorer(resolve("--rm-type", "brightness")).score(samples))
@@ -242,8 +289,18 @@ def test_lora_flags_shape_and_initialise_the_adapter(tiny_sd3):
         layers = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
         return trainer, module, layers
 
-    trainer, module, layers = adapter("--use-lora", "--lora-rank", "3", "--lora-alpha", "12", "--lora-target-modules",
-                                      "attn.to_q", "attn.to_v", "--lora-init-weights", "kaiming-uniform")
+    trainer, module, layers = adapter(
+        "--use-lora",
+        "--lora-rank",
+        "3",
+        "--lora-alpha",
+        "12",
+        "--lora-target-modules",
+        "attn.to_q",
+        "attn.to_v",
+        "--lora-init-weights",
+        "kaiming-uniform",
+    )
     peft = module.peft_config["default"]
     assert (peft.r, peft.lora_alpha, set(peft.target_modules)) == (3, 12, {"attn.to_q", "attn.to_v"})
     assert layers and {name.rsplit(".", 1)[1] for name in layers} == {"to_q", "to_v"}

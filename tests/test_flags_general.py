@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config, training_errors
-from miles_core.training.run import RunError, train
+from miles_core.errors import ConfigError, RunError
+from miles_core.training.run import train
 from tests.tiny_runs import tiny_run_args
 
 SD35 = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium"]
@@ -34,8 +34,9 @@ def errors_of(*argv):
 def tiny_args(tiny_sd3, prompts, out):
     return tiny_run_args(tiny_sd3, prompts, out)
 
-def run(args):
-    path = asyncio.run(train(resolve_config(args), log=lambda line: None))
+
+def run(args, engine_factory=None):
+    path = asyncio.run(train(resolve_config(args), log=lambda line: None, engine_factory=engine_factory))
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -103,8 +104,9 @@ def _trainer(*flags):
 
     config = resolve(*SD35, "--rollout-batch-size", "1", *flags)
     host = get_host()
-    trainer = Trainer(_OneLayerFamily(), config, host.registries.sde_backend.get("sde").load(),
-                      host.registries.loss.get("policy_loss").load())
+    trainer = Trainer(
+        _OneLayerFamily(), config, host.registries.sde_backend.get("sde").load(), host.registries.loss.get("policy_loss").load()
+    )
     (parameter,) = trainer.parameters
     return trainer, parameter
 
@@ -112,8 +114,20 @@ def _trainer(*flags):
 @pytest.mark.exercises("--optimizer", "--lr", "--adam-beta1", "--adam-beta2", "--adam-eps", "--weight-decay")
 def test_two_optimizer_steps_follow_the_adamw_formula_with_the_flags():
     lr, beta1, beta2, eps, wd = 0.1, 0.5, 0.75, 0.3, 0.2
-    trainer, parameter = _trainer("--lr", str(lr), "--adam-beta1", str(beta1), "--adam-beta2", str(beta2),
-                                  "--adam-eps", str(eps), "--weight-decay", str(wd), "--clip-grad", "0")
+    trainer, parameter = _trainer(
+        "--lr",
+        str(lr),
+        "--adam-beta1",
+        str(beta1),
+        "--adam-beta2",
+        str(beta2),
+        "--adam-eps",
+        str(eps),
+        "--weight-decay",
+        str(wd),
+        "--clip-grad",
+        "0",
+    )
     assert isinstance(trainer.optimizer, torch.optim.AdamW)
     grads = [torch.tensor([[0.3, -0.2, 0.1]]), torch.tensor([[-0.1, 0.4, 0.05]])]
     # AdamW by hand, in float64: decoupled decay, then the bias-corrected moments.
@@ -130,7 +144,7 @@ def test_two_optimizer_steps_follow_the_adamw_formula_with_the_flags():
         trainer.optimizer.zero_grad()
         parameter.grad = g.clone()
         sums = {}
-        trainer._finish_step(sums, skip=False)
+        trainer.finish_step(sums, skip=False)
         assert sums["lr"] == lr
     assert torch.allclose(parameter.detach().double(), p, rtol=0, atol=1e-6)
     assert trainer.optimizer_steps == 2
@@ -142,7 +156,7 @@ def test_clip_grad_caps_the_gradient_norm_and_zero_turns_it_off(clip, expected_n
     trainer, parameter = _trainer(*(["--clip-grad", clip] if clip is not None else []))
     parameter.grad = torch.tensor([[3.0, 4.0, 0.0]])  # norm 5
     sums = {}
-    trainer._finish_step(sums, skip=False)
+    trainer.finish_step(sums, skip=False)
     assert sums["grad_norm"] == pytest.approx(5.0)  # the norm before clipping is reported
     assert float(parameter.grad.norm()) == pytest.approx(expected_norm, rel=1e-5)
 
@@ -157,32 +171,60 @@ def _cosine(r):
 
 
 @pytest.mark.exercises(
-    "--lr", "--min-lr", "--lr-warmup-init", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-style",
-    "--lr-decay-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style", "--num-rollout", "--num-steps-per-rollout",
-    "--global-batch-size", "--rollout-batch-size", "--n-samples-per-prompt",
+    "--lr",
+    "--min-lr",
+    "--lr-warmup-init",
+    "--lr-warmup-iters",
+    "--lr-warmup-fraction",
+    "--lr-decay-style",
+    "--lr-decay-iters",
+    "--lr-wsd-decay-iters",
+    "--lr-wsd-decay-style",
+    "--num-rollout",
+    "--num-steps-per-rollout",
+    "--global-batch-size",
+    "--rollout-batch-size",
+    "--n-samples-per-prompt",
 )
 @pytest.mark.parametrize(
     "flags, expected",
     [
         # Warmup over 1 step from the init, then linear decay to min-lr over the run's 4 steps.
-        (["--lr-decay-style", "linear", "--lr-warmup-iters", "1", "--lr-warmup-init", str(INIT)],
-         [INIT, LR, MIN + (1 - 1 / 3) * (LR - MIN), MIN + (1 - 2 / 3) * (LR - MIN)]),
+        (
+            ["--lr-decay-style", "linear", "--lr-warmup-iters", "1", "--lr-warmup-init", str(INIT)],
+            [INIT, LR, MIN + (1 - 1 / 3) * (LR - MIN), MIN + (1 - 2 / 3) * (LR - MIN)],
+        ),
         # Warmup 0.25 x 4 decay iterations = 1 step (from 0), then cosine over steps 1..4.
-        (["--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "4"],
-         [0.0, LR, _cosine(1 / 3), _cosine(2 / 3)]),
+        (
+            ["--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.25", "--lr-decay-iters", "4"],
+            [0.0, LR, _cosine(1 / 3), _cosine(2 / 3)],
+        ),
         # Warmup-stable-decay: stable until the last 2 of 4 steps, then linear.
-        (["--lr-decay-style", "wsd", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "linear"],
-         [LR, LR, LR, MIN + 0.5 * (LR - MIN)]),
+        (["--lr-decay-style", "wsd", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "linear"], [LR, LR, LR, MIN + 0.5 * (LR - MIN)]),
         # The same with the default wsd decay style (exponential): 2 * 0.5**q - 1.
-        (["--lr-decay-style", "wsd", "--lr-wsd-decay-iters", "2"],
-         [LR, LR, LR, MIN + (2 * 0.5**0.5 - 1) * (LR - MIN)]),
+        (["--lr-decay-style", "wsd", "--lr-wsd-decay-iters", "2"], [LR, LR, LR, MIN + (2 * 0.5**0.5 - 1) * (LR - MIN)]),
     ],
     ids=["linear-warmup-iters", "cosine-warmup-fraction", "wsd-linear", "wsd-default"],
 )
 def test_the_lr_flags_set_each_optimizer_steps_rate(tiny_sd3, prompts, tmp_path, flags, expected):
     # 2 prompts x 4 samples = 8 per rollout; a global batch of 4 gives 2 optimizer steps per rollout.
-    records = run([*tiny_args(tiny_sd3, prompts, tmp_path / "run"), "--num-rollout", "2", "--global-batch-size", "4",
-                   "--use-lora", "--lora-rank", "4", "--lr", str(LR), "--min-lr", str(MIN), *flags])
+    records = run(
+        [
+            *tiny_args(tiny_sd3, prompts, tmp_path / "run"),
+            "--num-rollout",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--use-lora",
+            "--lora-rank",
+            "4",
+            "--lr",
+            str(LR),
+            "--min-lr",
+            str(MIN),
+            *flags,
+        ]
+    )
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert [r["rollout/num_samples"] for r in records] == [8, 8]
     assert [len(r["train/loss_per_step"]) for r in records] == [2, 2]
@@ -205,17 +247,26 @@ def _pairs(num_samples, steps):
 
     params = GenerationParams(height=32, width=32, num_inference_steps=4, guidance_scale=1.0)
     return [
-        TrainPair(sample_index=s, step=k, x={"latents": torch.zeros(2)}, x_next={"latents": torch.zeros(2)},
-                  timestep=torch.tensor(1.0), sigma=0.5, sigma_next=0.25, sigma_max=1.0, old_log_prob=0.0,
-                  advantage=0.0, cond=Conditioning({"c": torch.zeros(1, 1)}), params=params)
+        TrainPair(
+            sample_index=s,
+            step=k,
+            x={"latents": torch.zeros(2)},
+            x_next={"latents": torch.zeros(2)},
+            timestep=torch.tensor(1.0),
+            sigma=0.5,
+            sigma_next=0.25,
+            sigma_max=1.0,
+            old_log_prob=0.0,
+            advantage=0.0,
+            cond=Conditioning({"c": torch.zeros(1, 1)}),
+            params=params,
+        )
         for s in range(num_samples)
         for k in steps
     ]
 
 
-@pytest.mark.exercises(
-    "--micro-batch-size", "--micro-batch-size-sample", "--micro-batch-size-tstep", "--diffusion-train-iter-order"
-)
+@pytest.mark.exercises("--micro-batch-size", "--micro-batch-size-sample", "--micro-batch-size-tstep", "--diffusion-train-iter-order")
 def test_micro_batch_flags_cut_the_pairs():
     from miles_core.training.pairs import micro_batches
 
@@ -231,12 +282,8 @@ def test_micro_batch_flags_cut_the_pairs():
     # Tiles of 2 samples x 1 step; rows step by step.
     assert cut(*tile) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(2, 0)], [(2, 1)]]
     assert cut(*tile, "--diffusion-train-iter-order", "sample_major") == cut(*tile)
-    assert cut(*tile, "--diffusion-train-iter-order", "timestep_major") == [
-        [(0, 0), (1, 0)], [(2, 0)], [(0, 1), (1, 1)], [(2, 1)]
-    ]
-    assert cut("--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "2") == [
-        [(0, 0), (1, 0), (0, 1), (1, 1)], [(2, 0), (2, 1)]
-    ]
+    assert cut(*tile, "--diffusion-train-iter-order", "timestep_major") == [[(0, 0), (1, 0)], [(2, 0)], [(0, 1), (1, 1)], [(2, 1)]]
+    assert cut("--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "2") == [[(0, 0), (1, 0), (0, 1), (1, 1)], [(2, 0), (2, 1)]]
     # The tile wins over a flat size given with it.
     assert cut(*tile, "--micro-batch-size", "4") == cut(*tile)
 
@@ -270,8 +317,17 @@ def _outputs(template, rollout_id):
 def test_start_rollout_id_is_the_first_rollout_run(tiny_sd3, prompts, tmp_path):
     def rollouts(name, *extra):
         template = str(tmp_path / name / "{}.msgpack")
-        records = run([*tiny_args(tiny_sd3, prompts, tmp_path / f"run-{name}"), "--num-rollout", "3",
-                       "--debug-rollout-only", "--save-debug-rollout-data", template, *extra])
+        records = run(
+            [
+                *tiny_args(tiny_sd3, prompts, tmp_path / f"run-{name}"),
+                "--num-rollout",
+                "3",
+                "--debug-rollout-only",
+                "--save-debug-rollout-data",
+                template,
+                *extra,
+            ]
+        )
         return [r["rollout_id"] for r in records], template
 
     full_ids, full = rollouts("full")
@@ -295,20 +351,30 @@ async def metadata_score(args, samples):
 
 @pytest.mark.exercises("--prompt-data", "--input-key", "--metadata-key")
 def test_prompt_and_metadata_keys_reach_the_rollout_samples(tiny_sd3, tmp_path):
-    from miles_core.rollout.data import PromptDataError
+    from miles_core.errors import PromptDataError
 
     data = tmp_path / "rows.jsonl"
     data.write_text(
-        json.dumps({"caption": "a red cube", "input": "a blue ball", "info": {"score": 2.0}, "metadata": {"score": -1.0}})
-        + "\n"
+        json.dumps({"caption": "a red cube", "input": "a blue ball", "info": {"score": 2.0}, "metadata": {"score": -1.0}}) + "\n"
     )
 
     def rollout(name, *extra):
         template = str(tmp_path / name / "{}.msgpack")
         args = tiny_args(tiny_sd3, data, tmp_path / f"run-{name}")
-        args[args.index("--rm-type"):args.index("--rm-type") + 2] = ["--custom-rm-path", "tests.test_flags_general.metadata_score"]
-        (record,) = run([*args, "--rollout-batch-size", "1", "--num-rollout", "1", "--debug-rollout-only",
-                         "--save-debug-rollout-data", template, *extra])
+        args[args.index("--rm-type") : args.index("--rm-type") + 2] = ["--custom-rm-path", "tests.test_flags_general.metadata_score"]
+        (record,) = run(
+            [
+                *args,
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--debug-rollout-only",
+                "--save-debug-rollout-data",
+                template,
+                *extra,
+            ]
+        )
         return record, _outputs(template, 0)
 
     record, samples = rollout("keys", "--input-key", "caption", "--metadata-key", "info")
@@ -326,18 +392,31 @@ def test_prompt_and_metadata_keys_reach_the_rollout_samples(tiny_sd3, tmp_path):
 
 @pytest.mark.exercises("--eval-prompt-data", "--eval-input-key", "--n-samples-per-eval-prompt", "--diffusion-eval-num-steps")
 def test_eval_flags_shape_the_evaluation_requests(tmp_path):
-    from miles_core.training.evaluation import EVAL_SEED_OFFSET, Evaluator
+    from miles_core.rollout.evaluation import EVAL_SEED_OFFSET
+    from miles_core.training.evaluation import Evaluator
 
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text('{"caption": "a red cube", "input": "x"}\n{"caption": "a blue ball", "input": "y"}\n')
     second.write_text('{"caption": "a green tree", "input": "z"}\n')
-    base = (*SD35, "--rollout-batch-size", "1", "--diffusion-num-steps", "6", "--rm-type", "brightness",
-            "--eval-prompt-data", "cubes", str(first), "trees", str(second))  # the evaluator builds its reward
-    config = resolve(*base, "--eval-input-key", "caption", "--n-samples-per-eval-prompt", "3",
-                     "--diffusion-eval-num-steps", "2")
+    base = (
+        *SD35,
+        "--rollout-batch-size",
+        "1",
+        "--diffusion-num-steps",
+        "6",
+        "--rm-type",
+        "brightness",
+        "--eval-prompt-data",
+        "cubes",
+        str(first),
+        "trees",
+        str(second),
+    )  # the evaluator builds its reward
+    config = resolve(*base, "--eval-input-key", "caption", "--n-samples-per-eval-prompt", "3", "--diffusion-eval-num-steps", "2")
     evaluator = Evaluator(config, engine=None, scorer=None)
     assert {name: [r.prompt for r in rows] for name, rows in evaluator.datasets.items()} == {
-        "cubes": ["a red cube", "a blue ball"], "trees": ["a green tree"]
+        "cubes": ["a red cube", "a blue ball"],
+        "trees": ["a green tree"],
     }
     requests = evaluator.requests(evaluator.datasets["cubes"])
     assert [r.num_outputs_per_prompt for r in requests] == [3, 3]
@@ -353,8 +432,18 @@ def test_eval_flags_shape_the_evaluation_requests(tmp_path):
 @pytest.mark.exercises("--eval-interval", "--skip-eval-before-train")
 def test_eval_interval_and_skipping_the_first_evaluation(tiny_sd3, prompts, tmp_path):
     def evaluated(name, *extra):
-        records = run([*tiny_args(tiny_sd3, prompts, tmp_path / name), "--num-rollout", "3", "--debug-rollout-only",
-                       "--eval-prompt-data", "shapes", str(prompts), *extra])
+        records = run(
+            [
+                *tiny_args(tiny_sd3, prompts, tmp_path / name),
+                "--num-rollout",
+                "3",
+                "--debug-rollout-only",
+                "--eval-prompt-data",
+                "shapes",
+                str(prompts),
+                *extra,
+            ]
+        )
         grids = sorted(p.name for p in (tmp_path / name / "samples").iterdir())
         return ["eval/shapes/reward_mean" in r for r in records], grids
 
@@ -364,7 +453,8 @@ def test_eval_interval_and_skipping_the_first_evaluation(tiny_sd3, prompts, tmp_
         ["eval_shapes_00000_before.png", "eval_shapes_00002.png", "eval_shapes_00003.png", "eval_shapes_before_after.png"],
     )
     assert evaluated("skip", "--eval-interval", "2", "--skip-eval-before-train") == (
-        [False, True, True], ["eval_shapes_00002.png", "eval_shapes_00003.png", "eval_shapes_before_after.png"],
+        [False, True, True],
+        ["eval_shapes_00002.png", "eval_shapes_00003.png", "eval_shapes_before_after.png"],
     )
 
 
@@ -385,15 +475,40 @@ def _sft_data(root):
 
 @pytest.mark.exercises("--sft-image-key", "--seed")
 def test_sft_image_key_and_seed(tiny_sd3, tmp_path):
-    from miles_core.rollout.data import PromptDataError
+    from miles_core.errors import PromptDataError
 
     data = _sft_data(tmp_path / "data")
 
     def sft(name, *extra):
-        return run(["--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--prompt-data", str(data),
-                    "--loss-type", "sft_loss", "--rollout-batch-size", "2", "--micro-batch-size", "2",
-                    "--diffusion-num-steps", "4", "--diffusion-height", "32", "--diffusion-width", "32", "--lr", "1e-3",
-                    "--num-rollout", "1", "--output-dir", str(tmp_path / name), *extra])[0]["train/loss"]
+        return run(
+            [
+                "--hf-checkpoint",
+                str(tiny_sd3),
+                "--diffusion-model-family",
+                "sd3",
+                "--prompt-data",
+                str(data),
+                "--loss-type",
+                "sft_loss",
+                "--rollout-batch-size",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--diffusion-num-steps",
+                "4",
+                "--diffusion-height",
+                "32",
+                "--diffusion-width",
+                "32",
+                "--lr",
+                "1e-3",
+                "--num-rollout",
+                "1",
+                "--output-dir",
+                str(tmp_path / name),
+                *extra,
+            ]
+        )[0]["train/loss"]
 
     with pytest.raises(PromptDataError, match=r"sft.jsonl:1: SFT rows need a string 'input' and a string 'image'"):
         sft("default-key")
@@ -411,18 +526,16 @@ class _Stop(Exception):
 def test_deterministic_mode_and_seed_are_set_before_the_model_loads(tiny_sd3, prompts, tmp_path, monkeypatch):
     """The run seeds torch and turns on deterministic algorithms before it builds
     anything (stopped here where it would start the engine)."""
-    from miles_core.training import run as run_module
 
     def stop(config):
         raise _Stop(torch.initial_seed(), torch.are_deterministic_algorithms_enabled())
 
-    monkeypatch.setattr(run_module, "_engine", stop)
     before = torch.are_deterministic_algorithms_enabled()
 
     def state(*extra):
         with torch.random.fork_rng():
             try:
-                run([*tiny_args(tiny_sd3, prompts, tmp_path / "run"), "--num-rollout", "1", *extra])
+                run([*tiny_args(tiny_sd3, prompts, tmp_path / "run"), "--num-rollout", "1", *extra], engine_factory=stop)
             except _Stop as stopped:
                 return stopped.args
             finally:
@@ -442,14 +555,10 @@ def test_forward_dtype_is_the_models_dtype(tiny_sd3):
     from miles_core.model_loading import load_family as _load_family
 
     def dtypes(*extra):
-        config = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-                         *extra)
+        config = resolve("--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1", *extra)
         engine_family = create_engine(config).family  # RL: the embedded engine's modules
         trainer_family = _load_family(config)  # SFT and replays: the trainer loads the family itself
-        return {
-            (family.dtype, next(family.components()["transformer"].parameters()).dtype)
-            for family in (engine_family, trainer_family)
-        }
+        return {(family.dtype, next(family.components()["transformer"].parameters()).dtype) for family in (engine_family, trainer_family)}
 
     assert dtypes("--diffusion-forward-dtype", "bf16") == {(torch.bfloat16, torch.bfloat16)}
     assert dtypes("--diffusion-forward-dtype", "fp16") == {(torch.float16, torch.float16)}

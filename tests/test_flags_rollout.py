@@ -15,7 +15,8 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
+from miles_core.errors import RequestError
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
 from miles_core.step_strategies import epoch_global_random_choice, select_steps
@@ -46,9 +47,13 @@ class RecordingEngine(RolloutEngine):
         try:
             await asyncio.sleep(0.01)
             return [
-                RolloutOutput(request_id="r", prompt=request.prompt, seed=request.seed + i,
-                              generated_output=torch.zeros(3, 8, 8),
-                              rollout_log_probs=torch.zeros(request.num_inference_steps))
+                RolloutOutput(
+                    request_id="r",
+                    prompt=request.prompt,
+                    seed=request.seed + i,
+                    generated_output=torch.zeros(3, 8, 8),
+                    rollout_log_probs=torch.zeros(request.num_inference_steps),
+                )
                 for i in range(request.num_outputs_per_prompt)
             ]
         finally:
@@ -60,28 +65,67 @@ class RecordingEngine(RolloutEngine):
 
 def recorded_rollout(config, rollout_id: int = 0) -> RecordingEngine:
     engine = RecordingEngine()
-    asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), rollout_id, PROMPTS,
-                                 strategy_from_config(config)))
+    asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), rollout_id, PROMPTS, strategy_from_config(config)))
     return engine
 
 
 ROLLOUT_FLAGS = [
-    "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2",
-    "--diffusion-num-steps", "6", "--diffusion-num-sde-steps", "2", "--diffusion-sde-window-range", "1,4",
-    "--diffusion-guidance-scale", "3.5", "--diffusion-guidance-scale-2", "2.5",
-    "--diffusion-negative-prompt", "blurry", "--diffusion-height", "48", "--diffusion-width", "80",
-    "--diffusion-output-num-frames", "5", "--diffusion-fps", "12", "--diffusion-sde-type", "cps",
-    "--diffusion-noise-level", "0.4", "--diffusion-log-prob-no-const", "--rollout-seed", "1000",
-    "--sglang-server-concurrency", "1",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-microgroup-size",
+    "2",
+    "--diffusion-num-steps",
+    "6",
+    "--diffusion-num-sde-steps",
+    "2",
+    "--diffusion-sde-window-range",
+    "1,4",
+    "--diffusion-guidance-scale",
+    "3.5",
+    "--diffusion-guidance-scale-2",
+    "2.5",
+    "--diffusion-negative-prompt",
+    "blurry",
+    "--diffusion-height",
+    "48",
+    "--diffusion-width",
+    "80",
+    "--diffusion-output-num-frames",
+    "5",
+    "--diffusion-fps",
+    "12",
+    "--diffusion-sde-type",
+    "cps",
+    "--diffusion-noise-level",
+    "0.4",
+    "--diffusion-log-prob-no-const",
+    "--rollout-seed",
+    "1000",
+    "--sglang-server-concurrency",
+    "1",
 ]
 
 
 @pytest.mark.exercises(
-    "--rollout-microgroup-size", "--diffusion-num-steps", "--diffusion-num-sde-steps", "--diffusion-sde-window-range",
-    "--diffusion-guidance-scale", "--diffusion-guidance-scale-2", "--diffusion-true-cfg-scale",
-    "--diffusion-negative-prompt", "--diffusion-height", "--diffusion-width", "--diffusion-output-num-frames",
-    "--diffusion-fps", "--diffusion-sde-type", "--diffusion-noise-level", "--diffusion-log-prob-no-const",
-    "--rollout-seed", "--sglang-server-concurrency",
+    "--rollout-microgroup-size",
+    "--diffusion-num-steps",
+    "--diffusion-num-sde-steps",
+    "--diffusion-sde-window-range",
+    "--diffusion-guidance-scale",
+    "--diffusion-guidance-scale-2",
+    "--diffusion-true-cfg-scale",
+    "--diffusion-negative-prompt",
+    "--diffusion-height",
+    "--diffusion-width",
+    "--diffusion-output-num-frames",
+    "--diffusion-fps",
+    "--diffusion-sde-type",
+    "--diffusion-noise-level",
+    "--diffusion-log-prob-no-const",
+    "--rollout-seed",
+    "--sglang-server-concurrency",
 )
 def test_rollout_flags_reach_the_engine_request():
     engine = recorded_rollout(resolve_config([*WAN22, *ROLLOUT_FLAGS]))
@@ -119,26 +163,44 @@ def test_rollout_flags_reach_the_engine_request():
 
 @pytest.mark.exercises("--diffusion-step-strategy-path", "--diffusion-sde-candidate-steps")
 def test_step_strategy_path_picks_steps_from_the_candidates():
-    flags = [*SD35, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2",
-             "--diffusion-sde-candidate-steps", "1,5,7"]
-    config = resolve_config([*flags, "--diffusion-step-strategy-path",
-                             "miles_core.step_strategies.epoch_global_random_choice"])
+    flags = [
+        *SD35,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--diffusion-num-sde-steps",
+        "2",
+        "--diffusion-sde-candidate-steps",
+        "1,5,7",
+    ]
+    config = resolve_config([*flags, "--diffusion-step-strategy-path", "miles_core.step_strategies.epoch_global_random_choice"])
     assert strategy_from_config(config) is epoch_global_random_choice
-    chosen = {select_steps(config, seed=seed, epoch=epoch, strategy=strategy_from_config(config)).sde_steps
-              for seed in range(5) for epoch in range(6)}
+    chosen = {
+        select_steps(config, seed=seed, epoch=epoch, strategy=strategy_from_config(config)).sde_steps
+        for seed in range(5)
+        for epoch in range(6)
+    }
     assert all(len(steps) == 2 and set(steps) <= {1, 5, 7} for steps in chosen) and len(chosen) > 1
     # The rollout asks the engine for exactly those steps.
     engine = recorded_rollout(config)
     assert all(set(r.rollout_sde_step_indices) <= {1, 5, 7} for r in engine.requests)
     # Control: without the path the default sde_window ignores the candidates (contiguous windows).
     plain = resolve_config(flags)
-    windows = {select_steps(plain, seed=seed, epoch=0, strategy=strategy_from_config(plain)).sde_steps
-               for seed in range(20)}
+    windows = {select_steps(plain, seed=seed, epoch=0, strategy=strategy_from_config(plain)).sde_steps for seed in range(20)}
     assert any(not set(steps) <= {1, 5, 7} for steps in windows)
     # The strategy's own rule: it needs candidates.
-    no_candidates = resolve_config([*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2",
-                                    "--diffusion-step-strategy-path",
-                                    "miles_core.step_strategies.epoch_global_random_choice"])
+    no_candidates = resolve_config(
+        [
+            *SD35,
+            "--rollout-batch-size",
+            "2",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--diffusion-step-strategy-path",
+            "miles_core.step_strategies.epoch_global_random_choice",
+        ]
+    )
     with pytest.raises(ValueError, match="epoch_global_random_choice requires --diffusion-sde-candidate-steps"):
         recorded_rollout(no_candidates)
     # ... reported by the training rules before anything loads.
@@ -155,11 +217,27 @@ def test_step_strategy_path_picks_steps_from_the_candidates():
 
 
 def tiny_config(tiny_sd3, *extra):
-    return resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-        "--n-samples-per-prompt", "1", "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2",
-        "--diffusion-height", "32", "--diffusion-width", "32", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--diffusion-model-family",
+            "sd3",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "1",
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +248,9 @@ def engine(tiny_sd3):
 
 
 def sample(engine, config):
-    (group,) = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")],
-                                            strategy_from_config(config)))
+    (group,) = asyncio.run(
+        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")], strategy_from_config(config))
+    )
     return group[0]
 
 
@@ -195,21 +274,24 @@ def test_guidance_scale_and_negative_prompt_change_the_conditioning(engine, tiny
     off = sample(engine, tiny_config(tiny_sd3, "--diffusion-guidance-scale", "1.0"))
     assert off.output.denoising_env["neg_cond_kwargs"] is None  # diffusers' rule: CFG only above 1
     assert not torch.equal(cfg.pixels, off.pixels)
-    negative = sample(engine, tiny_config(tiny_sd3, "--diffusion-guidance-scale", "4.5", "--diffusion-negative-prompt",
-                                          "blurry, low quality"))
+    negative = sample(
+        engine, tiny_config(tiny_sd3, "--diffusion-guidance-scale", "4.5", "--diffusion-negative-prompt", "blurry, low quality")
+    )
     neg_default = cfg.output.denoising_env["neg_cond_kwargs"]["encoder_hidden_states"]
     neg_given = negative.output.denoising_env["neg_cond_kwargs"]["encoder_hidden_states"]
     assert not torch.equal(neg_default, neg_given)
-    assert torch.equal(cfg.output.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"],
-                       negative.output.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"])
+    assert torch.equal(
+        cfg.output.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"],
+        negative.output.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"],
+    )
     assert not torch.equal(cfg.pixels, negative.pixels)
 
 
 @pytest.mark.exercises("--diffusion-sde-type", "--diffusion-noise-level", "--diffusion-log-prob-no-const")
 def test_sde_type_noise_level_and_no_const_reach_engine_and_trainer(engine, tiny_sd3):
+    from miles_core.engine.factory import sde_backend
     from miles_core.plugin_manager import get_host
     from miles_core.sde import CpsBackend, FlowSdeBackend
-    from miles_core.training.run import _backend
     from miles_core.training.trainer import Trainer
 
     sde = sample(engine, tiny_config(tiny_sd3))
@@ -224,24 +306,31 @@ def test_sde_type_noise_level_and_no_const_reach_engine_and_trainer(engine, tiny
     assert (no_const.log_probs[:2] < 0).all()
 
     # The trainer recomputes with the same dynamics.
-    config = tiny_config(tiny_sd3, "--diffusion-sde-type", "cps", "--diffusion-noise-level", "0.2",
-                         "--diffusion-log-prob-no-const")
-    assert _backend(config) is CpsBackend and _backend(tiny_config(tiny_sd3)) is FlowSdeBackend
-    trainer = Trainer(engine.family, config, _backend(config), get_host().registries.loss.get("policy_loss").load())
+    config = tiny_config(tiny_sd3, "--diffusion-sde-type", "cps", "--diffusion-noise-level", "0.2", "--diffusion-log-prob-no-const")
+    assert sde_backend(config) is CpsBackend and sde_backend(tiny_config(tiny_sd3)) is FlowSdeBackend
+    trainer = Trainer(engine.family, config, sde_backend(config), get_host().registries.loss.get("policy_loss").load())
     assert (type(trainer.backend), trainer.backend.noise_level, trainer.backend.log_prob_no_const) == (CpsBackend, 0.2, True)
 
 
-@pytest.mark.exercises("--diffusion-true-cfg-scale", "--diffusion-output-num-frames", "--diffusion-guidance-scale-2",
-                       "--diffusion-fps")
+@pytest.mark.exercises("--diffusion-true-cfg-scale", "--diffusion-output-num-frames", "--diffusion-guidance-scale-2", "--diffusion-fps")
 def test_sd3_refuses_video_and_other_family_guidance_flags(engine, tiny_sd3):
     from dataclasses import replace
 
-    from miles_core.config.errors import ConfigError
+    from miles_core.errors import ConfigError
 
     # At configuration time, before anything loads: the family declares what it reads.
     with pytest.raises(ConfigError) as caught:
-        tiny_config(tiny_sd3, "--diffusion-true-cfg-scale", "4.0", "--diffusion-output-num-frames", "3",
-                    "--diffusion-guidance-scale-2", "3.0", "--diffusion-fps", "8")
+        tiny_config(
+            tiny_sd3,
+            "--diffusion-true-cfg-scale",
+            "4.0",
+            "--diffusion-output-num-frames",
+            "3",
+            "--diffusion-guidance-scale-2",
+            "3.0",
+            "--diffusion-fps",
+            "8",
+        )
     reads = "(it reads none of the family-specific generation flags)"
     assert caught.value.messages == [
         f"--diffusion-output-num-frames 3: the sd3 family does not read it {reads}",
@@ -257,8 +346,11 @@ def test_sd3_refuses_video_and_other_family_guidance_flags(engine, tiny_sd3):
     ]
     for change, message in cases:
         with pytest.raises(RequestError) as request_error:
-            asyncio.run(generate_rollout(engine, replace(settings, **change), 0, [PromptRecord("a red cube")],
-                                         strategy_from_config(tiny_config(tiny_sd3))))
+            asyncio.run(
+                generate_rollout(
+                    engine, replace(settings, **change), 0, [PromptRecord("a red cube")], strategy_from_config(tiny_config(tiny_sd3))
+                )
+            )
         assert str(request_error.value).startswith(message), request_error.value
     # Control: the values that mean "an image, no other guidance" are accepted.
     sample(engine, tiny_config(tiny_sd3, "--diffusion-output-num-frames", "1"))
@@ -279,17 +371,15 @@ def test_update_weight_target_module_selects_the_trained_components(engine, tiny
     with pytest.raises(ValueError) as caught:
         target_modules(tiny_config(tiny_sd3, "--update-weight-target-module", "transformer,vae_decoder"), engine.family)
     assert str(caught.value) == (
-        "--update-weight-target-module transformer,vae_decoder: unknown component(s) vae_decoder; "
-        "this family trains transformer"
+        "--update-weight-target-module transformer,vae_decoder: unknown component(s) vae_decoder; this family trains transformer"
     )
 
 
 @pytest.mark.exercises("--diffusion-generator-device")
 def test_noise_is_drawn_on_the_cpu_and_the_model_goes_where_a_gpu_is(tiny_sd3, monkeypatch):
-    from miles_sd3.family import SD3Family
-
-    from miles_core.config.errors import ConfigError
     from miles_core.engine.factory import create_engine
+    from miles_core.errors import ConfigError
+    from miles_sd3.family import SD3Family
 
     # auto and cpu both mean CPU generators, with or without GPUs; cuda is refused with the reason.
     assert tiny_config(tiny_sd3).diffusion_generator_device == "cpu"

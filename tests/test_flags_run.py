@@ -14,7 +14,7 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.training.checkpoint import available_iterations, load_checkpoint
-from miles_core.training.run import _restore, _save
+from miles_core.training.run_state import restore_run_state, save_run_state
 from tests.tiny_runs import run_metrics, tiny_run_args
 
 SD35 = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "1"]
@@ -24,13 +24,25 @@ TRAIN = ("--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--deterministic-mode
 def run(tiny_sd3, prompts, out, *extra):
     return run_metrics([*tiny_run_args(tiny_sd3, prompts, out, n=2, steps=3, sde_steps=1), *extra])
 
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
 @pytest.mark.exercises("--save", "--save-interval", "--no-save-optim")
 def test_save_interval_and_no_save_optim_shape_the_checkpoints(tiny_sd3, prompts, tmp_path):
-    run(tiny_sd3, prompts, tmp_path / "light", "--num-rollout", "3", *TRAIN,
-        "--save", str(tmp_path / "light-ckpt"), "--save-interval", "2", "--no-save-optim")
+    run(
+        tiny_sd3,
+        prompts,
+        tmp_path / "light",
+        "--num-rollout",
+        "3",
+        *TRAIN,
+        "--save",
+        str(tmp_path / "light-ckpt"),
+        "--save-interval",
+        "2",
+        "--no-save-optim",
+    )
     # Every second rollout (id 1) and the last one (id 2), without optimizer state.
     assert available_iterations(tmp_path / "light-ckpt") == [1, 2]
     light = load_checkpoint(tmp_path / "light-ckpt", 2)
@@ -49,7 +61,7 @@ def test_save_interval_and_no_save_optim_shape_the_checkpoints(tiny_sd3, prompts
 
 
 class TinyTrainer:
-    """What ``_save``/``_restore`` use of a Trainer, around one linear layer."""
+    """What ``save_run_state``/``restore_run_state`` use of a Trainer, around one linear layer."""
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -78,19 +90,19 @@ def test_resume_flags_choose_what_is_restored(tmp_path):
     python_state, torch_state = random.getstate(), torch.get_rng_state()
     try:
         saver.step()
-        _save(resolve_config([*SD35, "--save", ckpt]), saver, 0)
+        save_run_state(resolve_config([*SD35, "--save", ckpt]), saver, 0)
         first = saver.trainable_state()["transformer"]["weight"]
         saver.step()
         random.seed(1)
         torch.manual_seed(1)
-        _save(resolve_config([*SD35, "--save", ckpt]), saver, 1)  # RNG captured here
+        save_run_state(resolve_config([*SD35, "--save", ckpt]), saver, 1)  # RNG captured here
         after_save = (random.random(), torch.rand(3))
 
         def restore(*flags):
             trainer = TinyTrainer(seed=5)
             random.seed(2)
             torch.manual_seed(2)
-            start = _restore(resolve_config([*SD35, "--load", ckpt, *flags]), trainer)
+            start = restore_run_state(resolve_config([*SD35, "--load", ckpt, *flags]), trainer)
             return start, trainer, (random.random(), torch.rand(3))
 
         random.seed(2)
@@ -138,8 +150,7 @@ def rollout_outputs(template: str, rollout_id: int) -> list[torch.Tensor]:
 def test_skipped_optimizer_steps_and_rollout_only_runs_leave_the_weights_alone(tiny_sd3, prompts, tmp_path):
     def go(name, *extra):
         template = str(tmp_path / f"{name}-rollouts" / "{}.msgpack")
-        records = run(tiny_sd3, prompts, tmp_path / name, "--num-rollout", "2", *TRAIN,
-                      "--save-debug-rollout-data", template, *extra)
+        records = run(tiny_sd3, prompts, tmp_path / name, "--num-rollout", "2", *TRAIN, "--save-debug-rollout-data", template, *extra)
         return records, rollout_outputs(template, 1)
 
     rollout_only, frozen = go("rollout-only", "--debug-rollout-only")
@@ -166,8 +177,12 @@ def test_skipped_optimizer_steps_and_rollout_only_runs_leave_the_weights_alone(t
 @pytest.fixture
 def wandb_home(tmp_path, monkeypatch):
     """W&B's own files under tmp_path; WANDB_DIR is not where the runs below go."""
-    for name, sub in (("WANDB_DIR", "wb-env"), ("WANDB_CACHE_DIR", "wb-cache"), ("WANDB_CONFIG_DIR", "wb-config"),
-                      ("WANDB_DATA_DIR", "wb-data")):
+    for name, sub in (
+        ("WANDB_DIR", "wb-env"),
+        ("WANDB_CACHE_DIR", "wb-cache"),
+        ("WANDB_CONFIG_DIR", "wb-config"),
+        ("WANDB_DATA_DIR", "wb-data"),
+    ):
         (tmp_path / sub).mkdir()
         monkeypatch.setenv(name, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -182,15 +197,16 @@ def wandb_home(tmp_path, monkeypatch):
 @pytest.mark.exercises("--wandb-team", "--wandb-host", "--wandb-run-id", "--wandb-key", "--wandb-dir")
 def test_wandb_identity_flags_reach_the_wandb_run(wandb_home):
     pytest.importorskip("wandb")
-    from miles_core.cli.config_command import config_document
+    from miles_core.config.document import config_document
     from miles_core.training.metrics_logging import WandbLogger
     from tests.test_run_features import items, settled_wandb_records
 
     key = "k" * 40
 
     def logged(directory, *flags):
-        config = resolve_config([*SD35, "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "flags",
-                                 "--wandb-dir", str(directory), *flags])
+        config = resolve_config(
+            [*SD35, "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "flags", "--wandb-dir", str(directory), *flags]
+        )
         logger = WandbLogger(config, config_document(config), wandb_home / "run")
         settings = logger.run.settings
         seen = (logger.run.id, logger.run.entity, settings.base_url, settings.api_key, settings.resume)
@@ -203,8 +219,15 @@ def test_wandb_identity_flags_reach_the_wandb_run(wandb_home):
         return seen, run_dir, record
 
     seen, run_dir, record = logged(
-        wandb_home / "chosen", "--wandb-team", "my-team", "--wandb-host", "http://wandb.example.invalid:8080",
-        "--wandb-run-id", "flagrun01", "--wandb-key", key,
+        wandb_home / "chosen",
+        "--wandb-team",
+        "my-team",
+        "--wandb-host",
+        "http://wandb.example.invalid:8080",
+        "--wandb-run-id",
+        "flagrun01",
+        "--wandb-key",
+        key,
     )
     assert seen == ("flagrun01", "my-team", "http://wandb.example.invalid:8080", key, "allow")
     assert run_dir.name.endswith("-flagrun01")  # --wandb-dir, not WANDB_DIR
@@ -223,16 +246,17 @@ def test_wandb_identity_flags_reach_the_wandb_run(wandb_home):
 @pytest.mark.exercises("--load")
 def test_load_from_a_directory_without_checkpoints_is_an_error_unless_it_is_the_save_directory(tmp_path):
     from miles_core.config.resolve import resolve_config
-    from miles_core.training.run import RunError, _restore
+    from miles_core.errors import RunError
+    from miles_core.training.run_state import restore_run_state
 
     base = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "1"]
     typo = resolve_config([*base, "--load", str(tmp_path / "chekpoints"), "--save", str(tmp_path / "checkpoints")])
     with pytest.raises(RunError) as caught:
-        _restore(typo, trainer=None)
+        restore_run_state(typo, trainer=None)
     assert str(caught.value) == (
         f"--load {tmp_path / 'chekpoints'}: no checkpoint there (no latest_checkpointed_iteration.txt); to start "
         "fresh and resume later, give the same directory to --save and --load"
     )
     # Control: a first run whose --load is its own (still empty) --save directory starts fresh.
     same = resolve_config([*base, "--load", str(tmp_path / "checkpoints"), "--save", str(tmp_path / "checkpoints")])
-    assert _restore(same, trainer=None) is None
+    assert restore_run_state(same, trainer=None) is None

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import miles_core.training.weight_sync as weight_sync
-from miles_core.engine.fleet import EngineFleet, FleetError
+from miles_core.engine.fleet import EngineFleet
+from miles_core.errors import FleetError
 from tests.test_server import http
 from tests.tiny_runs import run_metrics, tiny_run_args
 
@@ -50,8 +51,18 @@ def _outcome(records: list[dict]) -> list[dict]:
 
 
 def _fleet_run(tiny_sd3, prompts, out, engines: int, *extra: str) -> list[dict]:
-    args = [*tiny_run_args(tiny_sd3, prompts, out, batch=2, n=2, steps=3, sde_steps=1), "--num-rollout", "2",
-            "--lr", "3e-2", "--rollout-engine", "http", "--rollout-num-engines", str(engines), *extra]
+    args = [
+        *tiny_run_args(tiny_sd3, prompts, out, batch=2, n=2, steps=3, sde_steps=1),
+        "--num-rollout",
+        "2",
+        "--lr",
+        "3e-2",
+        "--rollout-engine",
+        "http",
+        "--rollout-num-engines",
+        str(engines),
+        *extra,
+    ]
     return run_metrics(args, timeout=300)
 
 
@@ -87,8 +98,9 @@ def test_a_run_with_two_engines_syncs_both_and_matches_one_engine(tiny_sd3, prom
 
 def test_an_engine_that_fails_to_start_names_its_log(tmp_path):
     with pytest.raises(FleetError) as info:
-        EngineFleet.start(tmp_path / "no-such-model", 2, tmp_path / "logs", "--diffusion-model-family", "sd3",
-                          "--device", "cpu", timeout=60)
+        EngineFleet.start(
+            tmp_path / "no-such-model", 2, tmp_path / "logs", "--diffusion-model-family", "sd3", "--device", "cpu", timeout=60
+        )
     message = str(info.value)
     # Whichever of the two exits first is named (both fail the same way).
     assert "\n" not in message and re.search(r"engine_[01]\.log", message) and "before it was healthy" in message
@@ -97,21 +109,36 @@ def test_an_engine_that_fails_to_start_names_its_log(tmp_path):
 
 def test_an_engine_that_is_not_healthy_in_time_names_its_log(tiny_sd3, tmp_path):
     with pytest.raises(FleetError, match=r"was not healthy within 0\.01 s; see .*engine_0\.log"):
-        EngineFleet.start(tiny_sd3, 1, tmp_path / "logs", "--diffusion-model-family", "sd3", "--device", "cpu",
-                          timeout=0.01)
+        EngineFleet.start(tiny_sd3, 1, tmp_path / "logs", "--diffusion-model-family", "sd3", "--device", "cpu", timeout=0.01)
 
 
 def test_a_run_whose_engine_fails_is_one_line(tmp_path, prompts, tiny_sd3, monkeypatch):
     from miles_core.config.resolve import resolve_config
     from miles_core.engine import fleet
-    from miles_core.training.run import RunError, train
+    from miles_core.errors import RunError
+    from miles_core.training.run import train
 
     original = EngineFleet.start.__func__
-    monkeypatch.setattr(fleet.EngineFleet, "start", classmethod(
-        lambda cls, checkpoint, count, log_dir, *args, **kw: original(
-            cls, checkpoint, count, log_dir, *args, "--no-such-option", timeout=60)))
-    config = resolve_config([*tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2, steps=3, sde_steps=1),
-                             "--num-rollout", "1", "--rollout-engine", "http", "--rollout-num-engines", "1"])
+    monkeypatch.setattr(
+        fleet.EngineFleet,
+        "start",
+        classmethod(
+            lambda cls, checkpoint, count, log_dir, *args, **kw: original(
+                cls, checkpoint, count, log_dir, *args, "--no-such-option", timeout=60
+            )
+        ),
+    )
+    config = resolve_config(
+        [
+            *tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2, steps=3, sde_steps=1),
+            "--num-rollout",
+            "1",
+            "--rollout-engine",
+            "http",
+            "--rollout-num-engines",
+            "1",
+        ]
+    )
     with pytest.raises(RunError) as info:
         asyncio.run(train(config, log=lambda line: None))
     assert "\n" not in str(info.value) and str(tmp_path / "run" / "engines" / "engine_0.log") in str(info.value)
@@ -125,12 +152,14 @@ def test_an_engine_killed_mid_rollout_stops_the_run_naming_its_url(tiny_sd3, pro
 
     from miles_core.config.resolve import resolve_config
     from miles_core.engine.http import HttpEngine
-    from miles_core.training.run import RunError, train
+    from miles_core.errors import RunError
+    from miles_core.training.run import train
 
     fleets = []
     original_start = EngineFleet.start.__func__
-    monkeypatch.setattr(EngineFleet, "start", classmethod(
-        lambda cls, *args, **kw: fleets.append(original_start(cls, *args, **kw)) or fleets[-1]))
+    monkeypatch.setattr(
+        EngineFleet, "start", classmethod(lambda cls, *args, **kw: fleets.append(original_start(cls, *args, **kw)) or fleets[-1])
+    )
     original_post = HttpEngine._post
 
     async def post(self, url, path, **kw):
@@ -140,8 +169,17 @@ def test_an_engine_killed_mid_rollout_stops_the_run_naming_its_url(tiny_sd3, pro
         return await original_post(self, url, path, **kw)
 
     monkeypatch.setattr(HttpEngine, "_post", post)
-    config = resolve_config([*tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2, steps=3, sde_steps=1),
-                             "--num-rollout", "1", "--rollout-engine", "http", "--rollout-num-engines", "1"])
+    config = resolve_config(
+        [
+            *tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2, steps=3, sde_steps=1),
+            "--num-rollout",
+            "1",
+            "--rollout-engine",
+            "http",
+            "--rollout-num-engines",
+            "1",
+        ]
+    )
     with pytest.raises(RunError) as info:
         asyncio.run(train(config, log=lambda line: None))
     message = str(info.value)

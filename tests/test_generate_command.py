@@ -12,15 +12,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from miles_sd3.family import SD3Family
 from PIL import Image
 
 from miles_core.cli import generate
+from miles_core.errors import UsageError
+from miles_sd3.family import SD3Family
 
 torch.set_num_threads(1)
 
-COMMON = ["--diffusion-model-family", "sd3", "--height", "32", "--width", "32", "--num-inference-steps", "3",
-          "--guidance-scale", "4.5", "--seed", "7"]
+COMMON = [
+    "--diffusion-model-family",
+    "sd3",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--num-inference-steps",
+    "3",
+    "--guidance-scale",
+    "4.5",
+    "--seed",
+    "7",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +79,18 @@ def test_a_prompt_writes_pngs_and_a_manifest(one_prompt: Path) -> None:
 
 def test_a_prompt_file_and_determinism_for_a_seed(tiny: Path, one_prompt: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        '{"text": "a red cube", "metadata": {"id": "a"}}\n\n{"text": "a blue sphere"}\n', encoding="utf-8"
-    )
+    prompts.write_text('{"text": "a red cube", "metadata": {"id": "a"}}\n\n{"text": "a blue sphere"}\n', encoding="utf-8")
     out = tmp_path / "out"
-    result = cli("--hf-checkpoint", str(tiny), *COMMON, "--prompt-file", str(prompts), "--input-key", "text",
-                 "--num-outputs", "2", "--out", str(out))
+    result = cli(
+        "--hf-checkpoint", str(tiny), *COMMON, "--prompt-file", str(prompts), "--input-key", "text", "--num-outputs", "2", "--out", str(out)
+    )
     assert result.returncode == 0, result.stderr
     rows = manifest(out)
     assert [(r["prompt_index"], r["prompt"], r["seed"], r["file"]) for r in rows] == [
-        (0, "a red cube", 7, "p000_s7.png"), (0, "a red cube", 8, "p000_s8.png"),
-        (1, "a blue sphere", 7, "p001_s7.png"), (1, "a blue sphere", 8, "p001_s8.png"),
+        (0, "a red cube", 7, "p000_s7.png"),
+        (0, "a red cube", 8, "p000_s8.png"),
+        (1, "a blue sphere", 7, "p001_s7.png"),
+        (1, "a blue sphere", 8, "p001_s8.png"),
     ]
     assert rows[0]["metadata"] == {"id": "a"} and "metadata" not in rows[2]
     # Same prompt and seed in another process: the same image, bit for bit.
@@ -90,8 +104,9 @@ def test_never_overwrites(tiny: Path, one_prompt: Path) -> None:
     before = {p.name: p.read_bytes() for p in one_prompt.iterdir()}
     # Seeds 6, 7: 7 exists, so nothing is generated (6 is not written either).
     with pytest.raises(SystemExit) as info:
-        generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--seed", "6", "--num-outputs", "2",
-                      "--prompt", "a red cube", "--out", str(one_prompt)])
+        generate.run(
+            ["--hf-checkpoint", str(tiny), *COMMON, "--seed", "6", "--num-outputs", "2", "--prompt", "a red cube", "--out", str(one_prompt)]
+        )
     assert info.value.code == 2
     assert {p.name: p.read_bytes() for p in one_prompt.iterdir()} == before
 
@@ -121,12 +136,13 @@ def test_lora_changes_the_image(tiny: Path, one_prompt: Path, tmp_path: Path) ->
     lora = write_lora(tiny, tmp_path / "lora")
     args = ["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube"]
     assert generate.run([*args, "--lora", str(lora), "--out", str(tmp_path / "with")]) == 0
-    assert generate.run([*args, "--out", str(tmp_path / "without")]) == 0
+    # Two outputs, as one_prompt has: the same batch shapes, so the same kernels and rounding.
+    assert generate.run([*args, "--num-outputs", "2", "--out", str(tmp_path / "without")]) == 0
     base = pixels(one_prompt / "p000_s7.png")
     with_lora = pixels(tmp_path / "with" / "p000_s7.png")
     assert not np.array_equal(with_lora, base)
     print(f"LoRA: max |with - base| = {np.abs(with_lora.astype(int) - base.astype(int)).max()} / 255")
-    # The same command without --lora gives the base image (in this process, one output).
+    # The same command without --lora gives the base image, bit for bit (in this process).
     assert np.array_equal(pixels(tmp_path / "without" / "p000_s7.png"), base)
 
 
@@ -153,8 +169,10 @@ def test_errors_are_one_line_and_write_nothing(tiny: Path, tmp_path: Path, capsy
     assert "no prompts" in run_error([*base, "--prompt-file", str(empty)], capsys)
     assert "--num-outputs 0" in run_error([*base, "--prompt", "x", "--num-outputs", "0"], capsys)
     assert "no such file" in run_error([*base, "--prompt", "x", "--lora", str(tmp_path / "nope")], capsys)
-    assert "--diffusion-model-family" in run_error(
-        ["--hf-checkpoint", str(tmp_path / "plain"), "--prompt", "x", "--out", str(out)], capsys
+    (tmp_path / "plain").mkdir()  # a directory that is no diffusers pipeline: no family to read from it
+    assert "--diffusion-model-family" in run_error(["--hf-checkpoint", str(tmp_path / "plain"), "--prompt", "x", "--out", str(out)], capsys)
+    assert f"--hf-checkpoint {tmp_path / 'absent'}: no such directory" in run_error(
+        ["--hf-checkpoint", str(tmp_path / "absent"), "--prompt", "x", "--out", str(out)], capsys
     )
     assert "--height 50 must be a multiple of 16" in run_error([*base, "--prompt", "x", "--height", "50"], capsys)
     # A family whose pipeline has no LoRA loader.
@@ -169,8 +187,12 @@ def test_a_txt_prompt_file(tiny: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cube\n\n  a blue sphere  \n", encoding="utf-8")
     out = tmp_path / "out"
-    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--num-inference-steps", "2",
-                         "--prompt-file", str(prompts), "--out", str(out)]) == 0
+    assert (
+        generate.run(
+            ["--hf-checkpoint", str(tiny), *COMMON, "--num-inference-steps", "2", "--prompt-file", str(prompts), "--out", str(out)]
+        )
+        == 0
+    )
     assert [(r["prompt"], r["file"]) for r in manifest(out)] == [("a red cube", "p000_s7.png"), ("a blue sphere", "p001_s7.png")]
 
 
@@ -179,15 +201,15 @@ def test_video_outputs_are_mp4(tmp_path: Path) -> None:
 
     assert generate.mp4_encoder() is not None, "imageio with imageio-ffmpeg (the video extra) is not installed"
     video = torch.rand(3, 5, 16, 24)
-    name = generate._write(tmp_path, 2, 11, video, fps=10)
+    name = generate.write_output(tmp_path, 2, 11, video, fps=10)
     assert name == "p002_s11.mp4"
     frames = iio.imread(tmp_path / name, plugin="FFMPEG", index=None)
     assert frames.shape == (5, 16, 24, 3) and frames.dtype == np.uint8
     assert iio.immeta(tmp_path / name, plugin="FFMPEG")["fps"] == 10.0
-    with pytest.raises(generate.GenerateError, match="exists"):
-        generate._write(tmp_path, 2, 11, video, fps=10)
+    with pytest.raises(UsageError, match="exists"):
+        generate.write_output(tmp_path, 2, 11, video, fps=10)
     # A flat grey video comes back grey (H.264 is lossy, not arbitrary).
-    grey = generate._write(tmp_path, 0, 0, torch.full((3, 2, 16, 16), 0.5), fps=None)
+    grey = generate.write_output(tmp_path, 0, 0, torch.full((3, 2, 16, 16), 0.5), fps=None)
     assert np.abs(iio.imread(tmp_path / grey, plugin="FFMPEG", index=None).astype(int) - 128).max() <= 2
 
 
@@ -195,12 +217,12 @@ def test_video_outputs_fall_back_to_animated_gifs(tmp_path: Path, monkeypatch: p
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # the encoder is not installed
     assert generate.mp4_encoder() is None
     video = torch.rand(3, 5, 8, 8)
-    name = generate._write(tmp_path, 2, 11, video, fps=10)
+    name = generate.write_output(tmp_path, 2, 11, video, fps=10)
     assert name == "p002_s11.gif"
     with Image.open(tmp_path / name) as gif:
         assert gif.n_frames == 5 and gif.size == (8, 8) and gif.info["duration"] == 100
-    with pytest.raises(generate.GenerateError, match="exists"):
-        generate._write(tmp_path, 2, 11, video, fps=10)
+    with pytest.raises(UsageError, match="exists"):
+        generate.write_output(tmp_path, 2, 11, video, fps=10)
 
 
 def as_video(monkeypatch: pytest.MonkeyPatch, frames: int = 3) -> None:
@@ -225,8 +247,12 @@ def test_a_video_run_writes_mp4s_in_the_manifest(tiny: Path, tmp_path: Path, mon
 
     as_video(monkeypatch)
     out = tmp_path / "out"
-    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
-                         "--fps", "8", "--out", str(out)]) == 0
+    assert (
+        generate.run(
+            ["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2", "--fps", "8", "--out", str(out)]
+        )
+        == 0
+    )
     assert [r["file"] for r in manifest(out)] == ["p000_s7.mp4", "p000_s8.mp4"]
     assert sorted(p.name for p in out.iterdir()) == ["manifest.jsonl", "p000_s7.mp4", "p000_s8.mp4"]
     assert iio.imread(out / "p000_s7.mp4", plugin="FFMPEG", index=None).shape == (3, 32, 32, 3)
@@ -241,8 +267,7 @@ def test_a_video_run_without_an_encoder_writes_gifs_with_a_note(tiny: Path, tmp_
     as_video(monkeypatch)
     monkeypatch.setitem(sys.modules, "imageio", None)
     out = tmp_path / "out"
-    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
-                         "--out", str(out)]) == 0
+    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2", "--out", str(out)]) == 0
     assert [r["file"] for r in manifest(out)] == ["p000_s7.gif", "p000_s8.gif"]
     with Image.open(out / "p000_s7.gif") as gif:
         assert gif.n_frames == 3 and gif.size == (32, 32)
@@ -254,15 +279,46 @@ def test_a_video_run_without_an_encoder_writes_gifs_with_a_note(tiny: Path, tmp_
 def test_flow_shift_and_the_family_guidance_options(tiny: Path, one_prompt: Path, tmp_path: Path, capsys) -> None:
     # --flow-shift reaches the schedule: other pixels than the checkpoint's own shift (3).
     out = tmp_path / "shifted"
-    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
-                         "--flow-shift", "1.0", "--out", str(out)]) == 0
+    assert (
+        generate.run(
+            [
+                "--hf-checkpoint",
+                str(tiny),
+                *COMMON,
+                "--prompt",
+                "a red cube",
+                "--num-outputs",
+                "2",
+                "--flow-shift",
+                "1.0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert not np.array_equal(pixels(out / "p000_s7.png"), pixels(one_prompt / "p000_s7.png"))
     same = tmp_path / "same"
-    assert generate.run(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "a red cube", "--num-outputs", "2",
-                         "--flow-shift", "3.0", "--out", str(same)]) == 0
+    assert (
+        generate.run(
+            [
+                "--hf-checkpoint",
+                str(tiny),
+                *COMMON,
+                "--prompt",
+                "a red cube",
+                "--num-outputs",
+                "2",
+                "--flow-shift",
+                "3.0",
+                "--out",
+                str(same),
+            ]
+        )
+        == 0
+    )
     assert np.array_equal(pixels(same / "p000_s7.png"), pixels(one_prompt / "p000_s7.png"))  # control
     capsys.readouterr()
     # Options a family does not have are refused by it, naming the flag.
-    err = run_error(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "p", "--true-cfg-scale", "4",
-                     "--out", str(tmp_path / "x")], capsys)
+    err = run_error(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "p", "--true-cfg-scale", "4", "--out", str(tmp_path / "x")], capsys)
     assert err.startswith("miles-core generate: error: --true-cfg-scale SD3 has no true CFG")

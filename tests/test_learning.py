@@ -33,15 +33,58 @@ def demo(tmp_path_factory):
 
 def grpo(demo, out, lr):
     root, data = demo
-    config = resolve_config([
-        "--hf-checkpoint", str(root), "--diffusion-model-family", "sd3", "--prompt-data", str(data / "train.jsonl"),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "8", "--rollout-microgroup-size", "8",
-        "--num-steps-per-rollout", "2", "--diffusion-num-steps", "8", "--diffusion-num-sde-steps", "7",
-        "--diffusion-guidance-scale", "1.0", "--use-lora", "--lora-rank", "16", "--lora-alpha", "32", "--lr", str(lr),
-        "--diffusion-clip-range", "0.2", "--rm-type", "colorfulness", "--num-rollout", "20", "--eval-interval", "20",
-        "--eval-prompt-data", "held", str(data / "held.jsonl"), "--n-samples-per-eval-prompt", "4",
-        "--micro-batch-size", "8", "--seed", "0", "--rollout-seed", "0", "--output-dir", str(out),
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(root),
+            "--diffusion-model-family",
+            "sd3",
+            "--prompt-data",
+            str(data / "train.jsonl"),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "8",
+            "--rollout-microgroup-size",
+            "8",
+            "--num-steps-per-rollout",
+            "2",
+            "--diffusion-num-steps",
+            "8",
+            "--diffusion-num-sde-steps",
+            "7",
+            "--diffusion-guidance-scale",
+            "1.0",
+            "--use-lora",
+            "--lora-rank",
+            "16",
+            "--lora-alpha",
+            "32",
+            "--lr",
+            str(lr),
+            "--diffusion-clip-range",
+            "0.2",
+            "--rm-type",
+            "colorfulness",
+            "--num-rollout",
+            "20",
+            "--eval-interval",
+            "20",
+            "--eval-prompt-data",
+            "held",
+            str(data / "held.jsonl"),
+            "--n-samples-per-eval-prompt",
+            "4",
+            "--micro-batch-size",
+            "8",
+            "--seed",
+            "0",
+            "--rollout-seed",
+            "0",
+            "--output-dir",
+            str(out),
+        ]
+    )
     path = asyncio.run(train(config, log=lambda line: None))
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()][-1]
 

@@ -6,22 +6,36 @@ import sys
 from tests.fake_dists import make_dist
 
 REPO_PLUGINS = {
-    "core": ("miles-core", {
-        "sde_backend": ["sde", "cps", "ode"],
-        "step_strategy": ["sde_window", "epoch_global_random_choice", "ode_and_return_last"],
-        "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"],
-        "rollout_filter": ["check_reward_nonzero_std", "pop_first"],
-        "rollout_engine": ["embedded", "http", "sglang"],
-    }),
+    "core": (
+        "miles-core",
+        {
+            "sde_backend": ["sde", "cps", "ode"],
+            "step_strategy": ["sde_window", "epoch_global_random_choice", "ode_and_return_last"],
+            "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"],
+            "rollout_filter": ["check_reward_nonzero_std", "pop_first"],
+            "rollout_engine": ["embedded", "http", "sglang"],
+        },
+    ),
     "sd3": ("miles-sd3", {"model_family": ["sd3"]}),
     "wan22": ("miles-wan22", {"model_family": ["wan2_2"]}),
     "ltx": ("miles-ltx", {"model_family": ["ltx"]}),
     "qwen_image": ("miles-qwen-image", {"model_family": ["qwen_image"]}),
     "cosmos3": ("miles-cosmos3", {"model_family": ["cosmos3"]}),
-    "rewards": ("miles-rewards", {"reward": [
-        "jpeg_compressibility", "jpeg_incompressibility", "brightness", "redness", "colorfulness", "pickscore",
-        "aesthetic", "ocr",
-    ]}),
+    "rewards": (
+        "miles-rewards",
+        {
+            "reward": [
+                "jpeg_compressibility",
+                "jpeg_incompressibility",
+                "brightness",
+                "redness",
+                "colorfulness",
+                "pickscore",
+                "aesthetic",
+                "ocr",
+            ]
+        },
+    ),
 }
 
 # Runs list-plugins in-process and reports which heavy libraries it imported.
@@ -82,6 +96,9 @@ def test_failed_and_disabled_plugins_are_listed(tmp_path):
 def test_main_usage_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, score, generate, serve-engine\n"
+    assert (
+        result.stderr
+        == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, score, generate, serve-engine\n"
+    )
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "make-tiny" in result.stdout

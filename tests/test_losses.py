@@ -1,4 +1,4 @@
-"""Losses against hand-computed values and float64 reimplementations (DESIGN section 7)."""
+"""Losses against hand-computed values and float64 reimplementations (docs/design.md, "Advantages, losses and the EMA")."""
 
 from __future__ import annotations
 
@@ -78,22 +78,20 @@ def test_kl_term_matches_formula_and_leaves_reference_alone():
     logp = torch.tensor([-1.0, -2.0, -0.5])
     adv = torch.tensor([1.0, -2.0, 0.5])
     beta = 0.04
-    loss, m = flow_grpo_loss(logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0,
-                             kl_beta=beta, mean=mean, ref_mean=ref_mean, std=s)
-    expected_kl = sum(
-        ((mean[b].detach().to(F64) - ref_mean[b].detach().to(F64)) ** 2).mean().item() / (2 * float(s[b]) ** 2)
-        for b in range(3)
-    ) / 3
+    loss, m = flow_grpo_loss(logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0, kl_beta=beta, mean=mean, ref_mean=ref_mean, std=s)
+    expected_kl = (
+        sum(((mean[b].detach().to(F64) - ref_mean[b].detach().to(F64)) ** 2).mean().item() / (2 * float(s[b]) ** 2) for b in range(3)) / 3
+    )
     close(m["kl_loss"], expected_kl, tol=1e-6)
     close(loss, -adv.mean().item() + beta * expected_kl, tol=1e-6)
     loss.backward()
     assert mean.grad is not None and ref_mean.grad is None
     # std as [B, 1, 1, 1] (StepOutput.noise_scale's shape) and as a float agree too
-    _, m2 = flow_grpo_loss(logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0, kl_beta=beta,
-                           mean=mean, ref_mean=ref_mean, std=s.view(-1, 1, 1, 1))
+    _, m2 = flow_grpo_loss(
+        logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0, kl_beta=beta, mean=mean, ref_mean=ref_mean, std=s.view(-1, 1, 1, 1)
+    )
     close(m2["kl_loss"], expected_kl, tol=1e-6)
-    _, m3 = flow_grpo_loss(logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0, kl_beta=beta,
-                           mean=mean, ref_mean=ref_mean, std=0.5)
+    _, m3 = flow_grpo_loss(logp, logp, adv, clip_range=1e-4, adv_clip_max=5.0, kl_beta=beta, mean=mean, ref_mean=ref_mean, std=0.5)
     close(m3["kl_loss"], ((mean.detach().double() - ref_mean.detach().double()) ** 2).mean() / 0.5, tol=1e-6)
 
 
@@ -105,7 +103,7 @@ def test_kl_needs_means():
 
 # ---------------------------------------------------------------------- DiffusionNFT
 def nft_reference(v_new, v_old, x_t, x0, sigma, adv, beta, c, adaptive):
-    """Straight float64 transcription of DESIGN's DiffusionNFT loss, sample by sample."""
+    """Straight float64 transcription of the DiffusionNFT loss in docs/design.md, sample by sample."""
     total, pos_all, neg_all = 0.0, 0.0, 0.0
     batch = x0.shape[0]
     for b in range(batch):
@@ -146,10 +144,8 @@ def test_nft_matches_float64_reimplementation(adaptive, shape):
     v_new, v_old, x_t, x0, sigma, adv = nft_inputs(shape)
     v_new.requires_grad_(True)
     v_old.requires_grad_(True)
-    loss, m = nft_loss(v_new, v_old, x_t, x0, sigma, adv, beta=0.1, adv_clip_max=5.0,
-                       adaptive_weight=adaptive)
-    exp_loss, exp_pos, exp_neg = nft_reference(v_new.detach(), v_old.detach(), x_t, x0, sigma, adv,
-                                               0.1, 5.0, adaptive)
+    loss, m = nft_loss(v_new, v_old, x_t, x0, sigma, adv, beta=0.1, adv_clip_max=5.0, adaptive_weight=adaptive)
+    exp_loss, exp_pos, exp_neg = nft_reference(v_new.detach(), v_old.detach(), x_t, x0, sigma, adv, 0.1, 5.0, adaptive)
     close(loss, exp_loss, tol=1e-5)
     close(m["nft_loss"], exp_loss, tol=1e-5)
     close(m["positive_loss"], exp_pos, tol=1e-5)
@@ -209,8 +205,7 @@ def test_policy_loss_adapter_matches_pure_function():
         "advantages": torch.tensor([1.0, -1.0]),
     }
     loss, m = policy_loss(batch, grpo_config())
-    expected, _ = flow_grpo_loss(batch["log_prob"], batch["old_log_prob"], batch["advantages"],
-                                 clip_range=0.2, adv_clip_max=5.0)
+    expected, _ = flow_grpo_loss(batch["log_prob"], batch["old_log_prob"], batch["advantages"], clip_range=0.2, adv_clip_max=5.0)
     close(loss, expected)
     close(loss, (-1.2 + 0.8) / 2)
     with pytest.raises(KeyError, match=r"policy_loss.*'old_log_prob'"):
@@ -222,8 +217,12 @@ def test_policy_loss_adapter_matches_pure_function():
 @pytest.mark.exercises("--diffusion-kl-beta")
 def test_policy_loss_adapter_with_kl():
     batch = {
-        "log_prob": torch.zeros(2), "old_log_prob": torch.zeros(2), "advantages": torch.tensor([1.0, 1.0]),
-        "mean": torch.ones(2, 3), "ref_mean": torch.zeros(2, 3), "std": torch.tensor([1.0, 0.5]),
+        "log_prob": torch.zeros(2),
+        "old_log_prob": torch.zeros(2),
+        "advantages": torch.tensor([1.0, 1.0]),
+        "mean": torch.ones(2, 3),
+        "ref_mean": torch.zeros(2, 3),
+        "std": torch.tensor([1.0, 0.5]),
     }
     loss, m = policy_loss(batch, grpo_config(diffusion_kl_beta=0.5))
     kl = (1 / 2 + 1 / 0.5) / 2  # mean over batch of 1/(2 s²)
@@ -275,10 +274,10 @@ def test_custom_loss_resolves_and_calls(sep):
     loss, m = custom_loss(batch, cfg)
     close(loss, 2.0 * 14 / 3)
     assert set(m) == {"custom"} and CALLS[-1] == sep
-    assert losses._resolve(path) is my_custom_loss
-    hits = losses._resolve.cache_info().hits
+    assert losses.resolve_custom_loss(path) is my_custom_loss
+    hits = losses.resolve_custom_loss.cache_info().hits
     custom_loss(batch, cfg)
-    assert losses._resolve.cache_info().hits == hits + 1
+    assert losses.resolve_custom_loss.cache_info().hits == hits + 1
 
 
 def test_custom_loss_errors():

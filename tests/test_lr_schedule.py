@@ -19,8 +19,15 @@ def approx(x: float):
 
 def config(**overrides):
     base = {
-        "lr": LR, "min_lr": MIN, "lr_warmup_init": INIT, "lr_warmup_iters": 0, "lr_warmup_fraction": None,
-        "lr_decay_style": "constant", "lr_decay_iters": None, "lr_wsd_decay_iters": None, "lr_wsd_decay_style": None,
+        "lr": LR,
+        "min_lr": MIN,
+        "lr_warmup_init": INIT,
+        "lr_warmup_iters": 0,
+        "lr_warmup_fraction": None,
+        "lr_decay_style": "constant",
+        "lr_decay_iters": None,
+        "lr_wsd_decay_iters": None,
+        "lr_wsd_decay_style": None,
     }
     base.update(overrides)
     return SimpleNamespace(**base)
@@ -29,8 +36,7 @@ def config(**overrides):
 # ------------------------------------------------------------------ warmup
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "wsd"])
 def test_warmup_is_linear_from_init_and_reaches_lr_at_warmup_iters(style):
-    s = LRSchedule(lr=LR, min_lr=MIN, warmup_init=INIT, warmup_iters=4, decay_style=style,
-                   decay_iters=20, wsd_decay_iters=5)
+    s = LRSchedule(lr=LR, min_lr=MIN, warmup_init=INIT, warmup_iters=4, decay_style=style, decay_iters=20, wsd_decay_iters=5)
     assert s.lr_at(0) == approx(INIT)
     assert s.lr_at(1) == approx(INIT + (LR - INIT) * 1 / 4)
     assert s.lr_at(3) == approx(INIT + (LR - INIT) * 3 / 4)
@@ -78,8 +84,9 @@ WSD_COEFF = {
 @pytest.mark.parametrize("wsd_style", list(WSD_COEFF))
 def test_wsd_stable_then_decays_over_the_last_iters(wsd_style):
     # warmup 2, decay over 20, the last 8 anneal: stable at lr for steps 3..12.
-    s = LRSchedule(lr=LR, min_lr=MIN, warmup_init=INIT, warmup_iters=2, decay_style="wsd", decay_iters=20,
-                   wsd_decay_iters=8, wsd_decay_style=wsd_style)
+    s = LRSchedule(
+        lr=LR, min_lr=MIN, warmup_init=INIT, warmup_iters=2, decay_style="wsd", decay_iters=20, wsd_decay_iters=8, wsd_decay_style=wsd_style
+    )
     assert s.lr_at(1) == approx(INIT + (LR - INIT) / 2)
     for k in (3, 7, 12):
         assert s.lr_at(k) == approx(LR), k

@@ -23,7 +23,9 @@ def test_scale_on_a_family_without_scales_is_a_one_line_error(tmp_path) -> None:
     out = tmp_path / "x"
     result = subprocess.run(
         [sys.executable, "-m", "miles_core.cli.main", "make-tiny", family, str(out), "--scale", "bench"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 2
     assert result.stderr == (

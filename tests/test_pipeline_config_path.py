@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.factory import create_engine
+from miles_core.errors import ConfigError
 from miles_core.model_loading import load_family
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
@@ -20,16 +20,30 @@ MIRRORED = "tests.custom_hooks_example.MirroredSD3"
 
 
 def config_for(tiny_sd3, *extra):
-    return resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-        "--diffusion-num-steps", "2", "--diffusion-height", "32", "--diffusion-width", "32", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "2",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            *extra,
+        ]
+    )
 
 
 def pixels(config):
     engine = create_engine(config)
-    (group,) = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")],
-                                            strategy_from_config(config)))
+    (group,) = asyncio.run(
+        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")], strategy_from_config(config))
+    )
     return engine, torch.stack([s.pixels for s in group])
 
 
@@ -41,8 +55,7 @@ def test_the_custom_family_class_is_what_engine_and_trainer_load(tiny_sd3):
     plain = config_for(tiny_sd3)
     # The sd3 recipe defaults apply to a class derived from the sd3 family.
     assert custom.model_family is None and custom.components["model_family"].name == MIRRORED
-    assert (custom.rollout_microgroup_size, custom.lora_target_modules) == (
-        plain.rollout_microgroup_size, plain.lora_target_modules)
+    assert (custom.rollout_microgroup_size, custom.lora_target_modules) == (plain.rollout_microgroup_size, plain.lora_target_modules)
     engine, mirrored = pixels(custom)
     assert type(engine.family) is MirroredSD3 and type(load_family(custom)) is MirroredSD3
     _, reference = pixels(plain)
@@ -53,5 +66,6 @@ def test_the_custom_family_class_is_what_engine_and_trainer_load(tiny_sd3):
 def test_a_path_that_is_not_a_family_is_refused(tiny_sd3):
     with pytest.raises(ConfigError) as caught:
         config_for(tiny_sd3, "--train-pipeline-config-path", "tests.custom_hooks_example.NotAFamilyOfOurs")
-    assert any(m.startswith("--train-pipeline-config-path tests.custom_hooks_example.NotAFamilyOfOurs") for m in
-               caught.value.messages), caught.value.messages
+    assert any(m.startswith("--train-pipeline-config-path tests.custom_hooks_example.NotAFamilyOfOurs") for m in caught.value.messages), (
+        caught.value.messages
+    )

@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from miles_core.cluster.placement import PlacementError, plan_placement
+from miles_core.cluster.placement import plan_placement
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import PlacementError
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2", "--use-ray"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+    "--use-ray",
+]
 
 
 def config(*extra: str):
@@ -45,8 +55,7 @@ def test_colocated_engines_and_reward_share_the_training_devices():
     plan = plan_placement(config("--actor-num-gpus-per-node", "2", "--colocate"), gpus=True, engines=2)
     assert len(plan.bundles) == 3 and plan.engines == [[0], [1]] and plan.reward == 2
     assert (plan.train_share, plan.engine_share) == (0.7, 0.25)
-    shared = plan_placement(config("--actor-num-gpus-per-node", "2", "--colocate", "--colocate-reward"), gpus=True,
-                            engines=2)
+    shared = plan_placement(config("--actor-num-gpus-per-node", "2", "--colocate", "--colocate-reward"), gpus=True, engines=2)
     assert len(shared.bundles) == 2 and shared.reward == 0 and shared.reward_share == 0.05
     # The shares of one device add up to at most one.
     assert shared.train_share + shared.engine_share + shared.reward_share <= 1.0

@@ -57,16 +57,27 @@ def test_example_is_discovered_and_used(installed):
     assert data["components"]["sde_backend"] == ["const_sde", "miles-example-plugin 0.1.0"]
     assert data["rewards"] == [0.0, 0.5]
     # std = s * sqrt(-dt) with s = noise level 0.5 and dt = -0.2
-    assert data["std"] == pytest.approx([0.5 * 0.2 ** 0.5] * 2, rel=1e-6)
+    assert data["std"] == pytest.approx([0.5 * 0.2**0.5] * 2, rel=1e-6)
     assert data["logp_match"] is True
 
 
 def test_without_the_example_its_names_are_unknown():
     # Control: the names above come from the installed example, not from the core.
     result = subprocess.run(
-        [sys.executable, "-m", "miles_core.cli.main", "config", "--hf-checkpoint", "sd3", "--rollout-batch-size", "1",
-         "--rm-type", "contrast"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "miles_core.cli.main",
+            "config",
+            "--hf-checkpoint",
+            "sd3",
+            "--rollout-batch-size",
+            "1",
+            "--rm-type",
+            "contrast",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "--rm-type contrast: unknown reward" in result.stderr
@@ -75,7 +86,11 @@ def test_without_the_example_its_names_are_unknown():
 def test_guide_shows_the_example_code():
     guide = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
     blocks = dict(re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', guide, flags=re.S))
-    assert set(blocks) == {"pyproject.toml", "src/miles_example/plugin.py", "src/miles_example/contrast.py",
-                           "src/miles_example/const_sde.py"}
+    assert set(blocks) == {
+        "pyproject.toml",
+        "src/miles_example/plugin.py",
+        "src/miles_example/contrast.py",
+        "src/miles_example/const_sde.py",
+    }
     for rel, code in blocks.items():
         assert code == (EXAMPLE / rel).read_text(encoding="utf-8"), f"docs/plugins.md is out of date for {rel}"

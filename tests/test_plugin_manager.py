@@ -3,8 +3,8 @@ import warnings
 
 import pytest
 
-from miles_core.plugin_manager import PluginHost, PluginLoadError, PluginLoadWarning
-from miles_core.registry import UnknownComponentError
+from miles_core.errors import PluginLoadError, UnknownComponentError
+from miles_core.plugin_manager import PluginHost, PluginLoadWarning
 from tests.fake_dists import entry_points_in, make_dist
 
 GOOD = """
@@ -81,7 +81,10 @@ def test_strict_mode_from_environment(plugin_dir, monkeypatch):
             "from miles_core import hookimpl\n@hookimpl\ndef miles_register_rewards(config):\n    return []\n",
             r"invalid hook: .*miles_register_rewards.*config",
         ),
-        ("def miles_register_rewardz():\n    return []\n", r"unknown hook miles_register_rewardz \(did you mean miles_register_rewards\?\)"),
+        (
+            "def miles_register_rewardz():\n    return []\n",
+            r"unknown hook miles_register_rewardz \(did you mean miles_register_rewards\?\)",
+        ),
         ("def miles_register_rewards():\n    return ['shiny']\n", r"miles_register_rewards returned str, expected RewardSpec"),
         ("def miles_register_rewards():\n    return 42\n", r"miles_register_rewards must return a list, got int"),
         (
@@ -170,11 +173,7 @@ def test_identical_reregistration_is_a_no_op(plugin_dir):
 
 
 def test_plugin_flag_colliding_with_core_fails_the_plugin(plugin_dir):
-    source = (
-        "from miles_core import Flag\n"
-        "def miles_add_arguments():\n"
-        "    return [Flag(name='--lr', group='optimizer', type='float')]\n"
-    )
+    source = "from miles_core import Flag\ndef miles_add_arguments():\n    return [Flag(name='--lr', group='optimizer', type='float')]\n"
     make_dist(plugin_dir, "broken-plugin", "0.1", {"broken": source})
     with pytest.warns(PluginLoadWarning, match="flag --lr is already defined by miles-core"):
         host = host_for(plugin_dir)
@@ -190,6 +189,11 @@ def test_spec_records_validate_themselves():
         RewardSpec(name="Bad-Name", ref="a:b")
     with pytest.raises(ValueError, match="exceeds max_microgroup_size"):
         ModelFamilySpec(
-            name="f", ref="a:b", checkpoint_patterns=("f",), lora_target_modules=("q",),
-            n_samples_per_prompt=4, rollout_microgroup_size=2, max_microgroup_size=1,
+            name="f",
+            ref="a:b",
+            checkpoint_patterns=("f",),
+            lora_target_modules=("q",),
+            n_samples_per_prompt=4,
+            rollout_microgroup_size=2,
+            max_microgroup_size=1,
         )

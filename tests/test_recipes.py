@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import match_family, resolve_config, training_errors
+from miles_core.errors import ConfigError
 from miles_core.plugin_manager import get_host
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -59,9 +59,17 @@ def validate_recipe(path: Path, *extra: str) -> object:
     PATH`` would (``--rollout-batch-size 1`` on the command line, for recipes that leave
     it to the user) and check the training rules; the resolved configuration."""
     family = recipe_family(path)
-    config = resolve_config([
-        "--hf-checkpoint", checkpoint_for(family), "--rollout-batch-size", "1", "--custom-config-path", str(path), *extra,
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            checkpoint_for(family),
+            "--rollout-batch-size",
+            "1",
+            "--custom-config-path",
+            str(path),
+            *extra,
+        ]
+    )
     assert config.model_family == family, f"{path.name}: resolved as {config.model_family}, written for {family}"
     errors = training_errors(config)
     assert errors == [], f"{path.name}: " + "; ".join(errors)

@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError, RewardError
 from miles_core.plugin_manager import get_host
 from miles_core.training.advantages import advantages_from_config
-from miles_core.training.rewards import RewardError, RewardScorer
+from miles_core.training.rewards import RewardScorer
 from tests import reward_examples
 from tests.tiny_runs import run_metrics, tiny_run_args
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2"]
+BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
 EXAMPLES = "tests.reward_examples"
 
 
@@ -34,16 +33,25 @@ def make_samples(levels=(0.1, 0.5, 0.9, 0.3), prompts=None, metadata=None, n=2):
     prompts = prompts or [f"prompt {i // n}" for i in range(len(levels))]
     metadata = metadata or [{} for _ in levels]
     return [
-        SimpleNamespace(pixels=torch.full((3, 4, 4), float(level)), prompt=prompt, metadata=meta, seed=100 + i,
-                        group_index=i // n, index_in_group=i % n, reward=None, reward_components={},
-                        reward_failed=False, remove_sample=False)
+        SimpleNamespace(
+            pixels=torch.full((3, 4, 4), float(level)),
+            prompt=prompt,
+            metadata=meta,
+            seed=100 + i,
+            group_index=i // n,
+            index_in_group=i % n,
+            reward=None,
+            reward_components={},
+            reward_failed=False,
+            remove_sample=False,
+        )
         for i, (level, prompt, meta) in enumerate(zip(levels, prompts, metadata))
     ]
 
 
 def without_rm_type(args):
     i = args.index("--rm-type")
-    return args[:i] + args[i + 2:]
+    return args[:i] + args[i + 2 :]
 
 
 def score(scorer, samples):
@@ -123,9 +131,12 @@ def test_rm_type_is_built_once_and_scores_every_sample_in_one_call(recorded):
     assert recorded.built == ["brightness"] and recorded.calls == [("brightness", 4)] * 2
     assert [(s.reward_components, s.reward_failed, s.remove_sample) for s in samples] == [({}, False, False)] * 4
     assert scorer.finish(samples) == {
-        "rollout/reward/raw_mean": pytest.approx(0.45), "rollout/reward/raw_std": pytest.approx(math.sqrt(0.0875)),
-        "rollout/reward/raw_min": pytest.approx(0.1), "rollout/reward/raw_max": pytest.approx(0.9),
-        "rollout/reward/failed": 0, "rollout/reward/brightness_failed": 0,
+        "rollout/reward/raw_mean": pytest.approx(0.45),
+        "rollout/reward/raw_std": pytest.approx(math.sqrt(0.0875)),
+        "rollout/reward/raw_min": pytest.approx(0.1),
+        "rollout/reward/raw_max": pytest.approx(0.9),
+        "rollout/reward/failed": 0,
+        "rollout/reward/brightness_failed": 0,
     }
 
 
@@ -214,8 +225,9 @@ def test_dict_rewards_train_on_the_reward_key_and_report_the_other_keys(tones):
 def test_a_dict_reward_without_a_usable_key_is_a_one_line_error_listing_its_keys(tones):
     with pytest.raises(RewardError) as info:
         score(RewardScorer(resolve("--rm-type", "tones")), make_samples())
-    assert str(info.value) == ("reward tones returns a dict per sample (keys: brightness, contrast); choose the trained "
-                               "one with --reward-key")
+    assert str(info.value) == (
+        "reward tones returns a dict per sample (keys: brightness, contrast); choose the trained one with --reward-key"
+    )
     with pytest.raises(RewardError) as info:
         score(RewardScorer(resolve("--rm-type", "tones", "--reward-key", "sharpness")), make_samples())
     assert str(info.value) == "--reward-key sharpness: reward tones returns no such key (keys: brightness, contrast)"
@@ -243,8 +255,7 @@ def test_group_rm_calls_the_custom_reward_once_per_prompt_group():
 @pytest.mark.exercises("--group-rm", "--rm-type")
 def test_group_rm_calls_a_registered_reward_once_per_prompt_group(recorded):
     samples = make_samples(levels=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6), n=3)
-    assert score(RewardScorer(resolve("--rm-type", "brightness", "--group-rm")), samples) == pytest.approx(
-        [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert score(RewardScorer(resolve("--rm-type", "brightness", "--group-rm")), samples) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     assert recorded.calls == [("brightness", 3), ("brightness", 3)]
 
 
@@ -270,7 +281,7 @@ def slow_redness(monkeypatch):
 def stream(scorer, microgroups, pause=0.01):
     """Scores ``microgroups`` as a streaming rollout does (``StreamingScores``): the first,
     then, while its call runs, the others one by one."""
-    from miles_core.training.run import StreamingScores
+    from miles_core.training.rollout_scoring import StreamingScores
 
     async def main():
         pending = StreamingScores(scorer, 2)
@@ -290,7 +301,7 @@ def test_microgroups_arriving_while_a_reward_call_runs_go_into_its_next_call(slo
     samples = make_samples(levels=[0.5] * 10)
     for sample in samples:
         sample.pixels = torch.rand(3, 4, 4, generator=generator)
-    microgroups = [samples[i:i + 2] for i in range(0, 10, 2)]
+    microgroups = [samples[i : i + 2] for i in range(0, 10, 2)]
     stream(RewardScorer(resolve("--rm-type", "redness")), microgroups)
     # Five microgroups, two calls: the four that arrived during the first call went in one.
     assert slow_redness == [2, 8]
@@ -386,8 +397,10 @@ def test_a_group_reward_that_raises_fails_its_group_without_retries():
     rewards = score(scorer, samples)
     assert [math.isnan(r) for r in rewards] == [True, True, False, False]
     assert sorted(reward_examples.CALLS) == [["boom", "boom"], ["fine", "fine"]]
-    assert warnings == [f"--custom-rm-path {EXAMPLES}.flaky raised ValueError: cannot read the boom prompt on the "
-                        "group of 'boom' (seed 100); 2 sample(s) masked"]
+    assert warnings == [
+        f"--custom-rm-path {EXAMPLES}.flaky raised ValueError: cannot read the boom prompt on the "
+        "group of 'boom' (seed 100); 2 sample(s) masked"
+    ]
 
 
 @pytest.mark.exercises("--custom-rm-path", "--rm-type")
@@ -399,8 +412,10 @@ def test_a_reward_failing_for_every_sample_stops_the_rollout_naming_it():
     assert len(warnings) == 2 and all(s.reward_failed for s in samples)
     with pytest.raises(RewardError) as info:
         scorer.finish(samples)
-    assert str(info.value) == (f"reward --custom-rm-path {EXAMPLES}.always_fails failed for every sample it scored in "
-                               "this rollout (4 samples); last error: RuntimeError: the reward server is offline")
+    assert str(info.value) == (
+        f"reward --custom-rm-path {EXAMPLES}.always_fails failed for every sample it scored in "
+        "this rollout (4 samples); last error: RuntimeError: the reward server is offline"
+    )
     # Shape errors are not per sample: they stop at once.
     with pytest.raises(RewardError, match=f"^--custom-rm-path {EXAMPLES}.wrong_length returned 1 values for 4 samples$"):
         score(RewardScorer(resolve("--custom-rm-path", f"{EXAMPLES}.wrong_length")), make_samples())
@@ -410,8 +425,11 @@ def test_a_reward_failing_for_every_sample_stops_the_rollout_naming_it():
     for sample in samples:
         sample.pixels = torch.zeros(1, 4, 4)
     score(scorer, samples)
-    with pytest.raises(RewardError, match=r"^reward redness failed for every sample it scored in this rollout \(4 "
-                       r"samples\); last error: ValueError: redness needs 3 \(RGB\) channels, got shape \(1, 4, 4\)$"):
+    with pytest.raises(
+        RewardError,
+        match=r"^reward redness failed for every sample it scored in this rollout \(4 "
+        r"samples\); last error: ValueError: redness needs 3 \(RGB\) channels, got shape \(1, 4, 4\)$",
+    ):
         scorer.finish(samples)
 
 
@@ -426,15 +444,20 @@ def test_a_row_reward_failing_on_all_of_its_samples_stops_the_rollout_while_the_
     assert rewards[1::2] == pytest.approx([0.5, 0.3]) and all(math.isnan(r) for r in rewards[0::2])
     with pytest.raises(RewardError) as info:
         scorer.finish(samples)
-    assert str(info.value) == ("reward redness failed for every sample it scored in this rollout (2 samples); last "
-                               "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)")
+    assert str(info.value) == (
+        "reward redness failed for every sample it scored in this rollout (2 samples); last "
+        "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)"
+    )
     # One of its samples scored: no error, and each reward's failures are counted.
     samples = make_samples(levels=(0.1, 0.5, 0.9, 0.3), metadata=[{"rm_type": "redness"}, {}, {"rm_type": "redness"}, {}])
     samples[0].pixels = torch.zeros(1, 4, 4)
     score(scorer, samples)
     metrics = scorer.finish(samples)
-    assert (metrics["rollout/reward/failed"], metrics["rollout/reward/redness_failed"],
-            metrics["rollout/reward/brightness_failed"]) == (1, 1, 0)
+    assert (metrics["rollout/reward/failed"], metrics["rollout/reward/redness_failed"], metrics["rollout/reward/brightness_failed"]) == (
+        1,
+        1,
+        0,
+    )
 
 
 # -- evaluation rewards ---------------------------------------------------------------------
@@ -458,8 +481,10 @@ def test_evaluation_scorer_uses_the_eval_reward_and_key(tones):
     shared = RewardScorer(config, evaluation=True, share=RewardScorer(config))
     assert tones.built == 5 and shared._rewards["tones"] is not None
     # Without --eval-interval the eval reward flags do nothing, and say so.
-    assert any(n.startswith("--eval-reward-key, --eval-rm-type: no evaluation runs without --eval-interval")
-               for n in resolve("--eval-reward-key", "x", "--eval-rm-type", "redness").notes)
+    assert any(
+        n.startswith("--eval-reward-key, --eval-rm-type: no evaluation runs without --eval-interval")
+        for n in resolve("--eval-reward-key", "x", "--eval-rm-type", "redness").notes
+    )
 
 
 @pytest.mark.exercises("--eval-reward-weights", "--eval-rm-type")
@@ -469,12 +494,27 @@ def test_a_short_run_evaluates_with_its_own_rewards(tiny_sd3, prompts, tmp_path)
     def run(name, *eval_reward):
         reward_examples.LOGGED.update(rollout=[], eval=[])
         args = without_rm_type(tiny_run_args(tiny_sd3, prompts, tmp_path / name, batch=1, n=2))
-        (record,) = run_metrics([
-            *args, "--rm-type", "brightness", "--num-rollout", "1", "--debug-rollout-only", "--eval-interval", "1",
-            "--eval-prompt-data", "shapes", str(prompts), "--skip-eval-before-train", *eval_reward,
-            "--custom-rollout-log-function-path", f"{EXAMPLES}.log_rollout",
-            "--custom-eval-rollout-log-function-path", f"{EXAMPLES}.log_eval",
-        ])
+        (record,) = run_metrics(
+            [
+                *args,
+                "--rm-type",
+                "brightness",
+                "--num-rollout",
+                "1",
+                "--debug-rollout-only",
+                "--eval-interval",
+                "1",
+                "--eval-prompt-data",
+                "shapes",
+                str(prompts),
+                "--skip-eval-before-train",
+                *eval_reward,
+                "--custom-rollout-log-function-path",
+                f"{EXAMPLES}.log_rollout",
+                "--custom-eval-rollout-log-function-path",
+                f"{EXAMPLES}.log_eval",
+            ]
+        )
         (rollout,), (evaluation,) = reward_examples.LOGGED["rollout"], reward_examples.LOGGED["eval"]
         return record, rollout, evaluation["shapes"]
 
@@ -485,7 +525,8 @@ def test_a_short_run_evaluates_with_its_own_rewards(tiny_sd3, prompts, tmp_path)
     assert len(eval_samples) == 3
     assert [s.reward for s in eval_samples] == pytest.approx([r + 0.5 * c for r, c in zip(red, colour)])
     assert [s.reward_components for s in eval_samples] == [
-        {"redness": pytest.approx(r), "colorfulness": pytest.approx(c)} for r, c in zip(red, colour)]
+        {"redness": pytest.approx(r), "colorfulness": pytest.approx(c)} for r, c in zip(red, colour)
+    ]
     assert record["eval/shapes/reward_mean"] == pytest.approx(float(np.mean([s.reward for s in eval_samples])), rel=1e-5)
     assert record["eval/shapes/reward/redness_mean"] == pytest.approx(float(np.mean(red)))
     assert record["eval/shapes/reward/colorfulness_mean"] == pytest.approx(float(np.mean(colour)))
@@ -522,15 +563,29 @@ def test_an_eval_reward_set_scores_every_eval_row_whatever_its_rm_type():
 
 
 @pytest.mark.exercises("--eval-rm-type", "--eval-interval", "--skip-eval-before-train")
-def test_an_eval_reward_that_cannot_be_built_stops_the_run_before_its_first_rollout(register, tiny_sd3, prompts,
-                                                                                      tmp_path):
+def test_an_eval_reward_that_cannot_be_built_stops_the_run_before_its_first_rollout(register, tiny_sd3, prompts, tmp_path):
     register("unbuildable", "Unbuildable")
     reward_examples.LOGGED.update(rollout=[], eval=[])
     args = tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=1, n=2)
     with pytest.raises(RewardError) as info:
-        run_metrics([*args, "--num-rollout", "1", "--debug-rollout-only", "--eval-interval", "1",
-                     "--eval-prompt-data", "shapes", str(prompts), "--skip-eval-before-train",
-                     "--eval-rm-type", "unbuildable", "--custom-rollout-log-function-path", f"{EXAMPLES}.log_rollout"])
+        run_metrics(
+            [
+                *args,
+                "--num-rollout",
+                "1",
+                "--debug-rollout-only",
+                "--eval-interval",
+                "1",
+                "--eval-prompt-data",
+                "shapes",
+                str(prompts),
+                "--skip-eval-before-train",
+                "--eval-rm-type",
+                "unbuildable",
+                "--custom-rollout-log-function-path",
+                f"{EXAMPLES}.log_rollout",
+            ]
+        )
     assert str(info.value) == "reward unbuildable: cannot be built: OSError: no weights at /nowhere/model.safetensors"
     assert reward_examples.LOGGED["rollout"] == []  # no rollout was generated first
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -557,7 +612,9 @@ def test_a_reward_with_pop_metrics_reports_them_after_each_rollout(register):
     metrics = RewardScorer(resolve("--reward-weights", '{"counting": 1, "brightness": 1}'))
     score(metrics, samples)
     assert {k for k in metrics.finish(samples) if "/counting/" in k or "/brightness/" in k} == {
-        "rollout/reward/counting/calls", "rollout/reward/counting/outputs"}
+        "rollout/reward/counting/calls",
+        "rollout/reward/counting/outputs",
+    }
 
 
 # -- failed samples in a run, saved and replayed ----------------------------------------------
@@ -568,8 +625,17 @@ def test_failed_samples_are_masked_in_training_and_survive_a_replay(tiny_sd3, pr
     from miles_core.training.debug_data import load_rollout_data, load_train_data
 
     rollout_data, train_data = str(tmp_path / "rollouts" / "{}.msgpack"), str(tmp_path / "train" / "{}.msgpack")
-    common = ["--num-rollout", "1", "--use-lora", "--lora-rank", "4", "--save-debug-train-data", train_data,
-              "--custom-rm-path", f"{EXAMPLES}.fails_first_sample"]
+    common = [
+        "--num-rollout",
+        "1",
+        "--use-lora",
+        "--lora-rank",
+        "4",
+        "--save-debug-train-data",
+        train_data,
+        "--custom-rm-path",
+        f"{EXAMPLES}.fails_first_sample",
+    ]
     base = without_rm_type(tiny_run_args(tiny_sd3, prompts, tmp_path / "run", batch=2, n=3))
     run_metrics([*base, *common, "--save-debug-rollout-data", rollout_data])
     samples, rewards = load_rollout_data(rollout_data, 0)
@@ -586,11 +652,10 @@ def test_failed_samples_are_masked_in_training_and_survive_a_replay(tiny_sd3, pr
             r1, r2 = rewards[3 * g + 1].item(), rewards[3 * g + 2].item()
             std = abs(r1 - r2) / math.sqrt(2)  # unbiased std of two values
             expected = [0.0, (r1 - r2) / 2 / (std + 1e-4), (r2 - r1) / 2 / (std + 1e-4)]
-            assert advantages[3 * g:3 * g + 3] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+            assert advantages[3 * g : 3 * g + 3] == pytest.approx(expected, rel=1e-4, abs=1e-6)
         pairs = trained["pairs"]
         failed = [i for i in range(6) if i % 3 == 0]
-        for index, mask, advantage in zip(pairs["sample_index"].tolist(), pairs["loss_mask"].tolist(),
-                                          pairs["advantage"].tolist()):
+        for index, mask, advantage in zip(pairs["sample_index"].tolist(), pairs["loss_mask"].tolist(), pairs["advantage"].tolist()):
             assert mask == (0.0 if index in failed else 1.0)
             if index in failed:
                 assert advantage == 0.0
@@ -599,8 +664,20 @@ def test_failed_samples_are_masked_in_training_and_survive_a_replay(tiny_sd3, pr
     # Replayed with no engine: the same failures, the same advantages.
     replay_train = str(tmp_path / "replay" / "{}.msgpack")
     replay = tiny_run_args(tiny_sd3, prompts, tmp_path / "replay-run", batch=2, n=3)
-    run_metrics([*replay, "--num-rollout", "1", "--use-lora", "--lora-rank", "4", "--load-debug-rollout-data",
-                 rollout_data, "--save-debug-train-data", replay_train])
+    run_metrics(
+        [
+            *replay,
+            "--num-rollout",
+            "1",
+            "--use-lora",
+            "--lora-rank",
+            "4",
+            "--load-debug-rollout-data",
+            rollout_data,
+            "--save-debug-train-data",
+            replay_train,
+        ]
+    )
     replayed = load_train_data(replay_train.format(0))
     assert replayed["samples"]["reward_failed"] == [True, False, False] * 2
     check(replayed)

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError, RewardError
 from miles_core.plugin_manager import get_host
 from miles_core.training.advantages import advantages_from_config, grpo_advantages, masked_grpo_advantages
-from miles_core.training.rewards import RewardError, RewardScorer
+from miles_core.training.rewards import RewardScorer
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "3"]
+BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2", "--n-samples-per-prompt", "3"]
 EPS = 1e-4
 
 
@@ -34,10 +33,21 @@ def images(count=6, seed=0):
 
 def make_samples(pixels, n=3, metadata=None):
     metadata = metadata or [{} for _ in pixels]
-    return [SimpleNamespace(pixels=p, prompt=f"prompt {i // n}", metadata=m, seed=i, group_index=i // n,
-                            index_in_group=i % n, reward=None, reward_components={}, reward_failed=False,
-                            remove_sample=False)
-            for i, (p, m) in enumerate(zip(pixels, metadata))]
+    return [
+        SimpleNamespace(
+            pixels=p,
+            prompt=f"prompt {i // n}",
+            metadata=m,
+            seed=i,
+            group_index=i // n,
+            index_in_group=i % n,
+            reward=None,
+            reward_components={},
+            reward_failed=False,
+            remove_sample=False,
+        )
+        for i, (p, m) in enumerate(zip(pixels, metadata))
+    ]
 
 
 def brightness(p):
@@ -73,8 +83,8 @@ def test_a_mixture_trains_on_the_weighted_sum_and_reports_each_reward():
     expected = [0.7 * brightness(p) - 2 * redness(p) for p in pixels]
     assert rewards.tolist() == pytest.approx(expected, rel=1e-5)
     assert [s.reward_components for s in samples] == [
-        {"brightness": pytest.approx(brightness(p), rel=1e-6), "redness": pytest.approx(redness(p), rel=1e-5, abs=1e-7)}
-        for p in pixels]
+        {"brightness": pytest.approx(brightness(p), rel=1e-6), "redness": pytest.approx(redness(p), rel=1e-5, abs=1e-7)} for p in pixels
+    ]
     metrics = scorer.finish(samples)
     assert metrics["rollout/reward/brightness_mean"] == pytest.approx(np.mean([brightness(p) for p in pixels]))
     assert metrics["rollout/reward/redness_mean"] == pytest.approx(np.mean([redness(p) for p in pixels]), abs=1e-7)
@@ -111,8 +121,13 @@ def test_advantage_aggregation_normalises_each_reward_within_its_group_then_weig
     assert advantages_from_config(rewards, config, samples).tolist() == pytest.approx(scaled, rel=1e-4)
     assert scaled == pytest.approx(expected, rel=1e-2)
     # The GRPO flags apply to each component: without std normalisation, the weighted centred values.
-    flat = resolve("--reward-weights", '{"brightness": 0.25, "colorfulness": 0.75}', "--reward-aggregation",
-                   "advantage", "--disable-grpo-std-normalization")
+    flat = resolve(
+        "--reward-weights",
+        '{"brightness": 0.25, "colorfulness": 0.75}',
+        "--reward-aggregation",
+        "advantage",
+        "--disable-grpo-std-normalization",
+    )
     for s, c in zip(samples, parts["colorfulness"]):
         s.reward_components["colorfulness"] = c
     centred = [
@@ -131,8 +146,9 @@ def test_failed_samples_are_left_out_of_their_group_statistics():
     # Group 0: sample 1 failed; group 1: only sample 5 is valid.
     rewards = torch.tensor([1.0, math.nan, 4.0, 2.0, 7.0, 5.0, math.nan, math.inf, 3.0], dtype=torch.float64)
     failed = [False, True, False, False, True, True, False, False, False]
-    samples = [SimpleNamespace(reward=float(r), reward_failed=f, remove_sample=f, reward_components={})
-               for r, f in zip(rewards.tolist(), failed)]
+    samples = [
+        SimpleNamespace(reward=float(r), reward_failed=f, remove_sample=f, reward_components={}) for r, f in zip(rewards.tolist(), failed)
+    ]
     # (group 2 has a NaN and an inf that are not marked failed: an error, as before)
     with pytest.raises(ValueError, match="reward of sample 6 is nan"):
         advantages_from_config(rewards, resolve(), samples)
@@ -157,8 +173,9 @@ def test_failed_samples_are_left_out_of_their_group_statistics():
 def test_masked_grpo_with_every_sample_valid_is_plain_grpo():
     rewards = torch.rand(12, generator=torch.Generator().manual_seed(3))
     for options in ({}, {"globalize_mean": True}, {"globalize_std": True}, {"std_normalization": False}):
-        assert torch.equal(masked_grpo_advantages(rewards, torch.ones(12, dtype=torch.bool), 4, **options),
-                           grpo_advantages(rewards, 4, **options))
+        assert torch.equal(
+            masked_grpo_advantages(rewards, torch.ones(12, dtype=torch.bool), 4, **options), grpo_advantages(rewards, 4, **options)
+        )
 
 
 @pytest.mark.exercises("--reward-weights", "--reward-aggregation")
@@ -198,8 +215,10 @@ def test_a_mixture_component_failing_for_every_sample_stops_the_rollout_naming_t
     assert [s.reward_components for s in samples] == [{"brightness": pytest.approx(brightness(p))} for p in pixels]
     with pytest.raises(RewardError) as info:
         scorer.finish(samples)
-    assert str(info.value) == ("reward redness failed for every sample it scored in this rollout (6 samples); last "
-                               "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)")
+    assert str(info.value) == (
+        "reward redness failed for every sample it scored in this rollout (6 samples); last "
+        "error: ValueError: redness needs 3 (RGB) channels, got shape (1, 4, 4)"
+    )
 
 
 @pytest.mark.exercises("--reward-weights", "--reward-aggregation")
@@ -224,25 +243,36 @@ def test_mixture_flags_are_checked_when_the_configuration_is_resolved(tmp_path):
         return info.value.messages
 
     assert errors("--reward-weights", '{"brightnes": 1}') == [
-        get_host().registries.reward.unknown_message("brightnes", flag="--reward-weights")]
+        get_host().registries.reward.unknown_message("brightnes", flag="--reward-weights")
+    ]
     assert errors("--reward-weights", '{"brightness": NaN, "redness": true}') == [
         "--reward-weights: the weight of brightness is nan; weights must be finite numbers",
         "--reward-weights: the weight of redness is True; weights must be finite numbers",
     ]
     assert errors("--reward-weights", "{}") == ["--reward-weights {}: name at least one registered reward and its weight"]
     assert errors("--reward-weights", '{"brightness": 1}', "--rm-type", "redness") == [
-        "--reward-weights and --rm-type are mutually exclusive (the mixture is the reward)"]
+        "--reward-weights and --rm-type are mutually exclusive (the mixture is the reward)"
+    ]
     assert "--reward-weights and --custom-rm-path are mutually exclusive (the mixture is the reward)" in errors(
-        "--reward-weights", '{"brightness": 1}', "--custom-rm-path", "tests.reward_examples.prompt_length")
+        "--reward-weights", '{"brightness": 1}', "--custom-rm-path", "tests.reward_examples.prompt_length"
+    )
     assert errors("--eval-reward-weights", '{"brightness": 1}', "--eval-rm-type", "redness") == [
-        "--eval-reward-weights and --eval-rm-type are mutually exclusive (the mixture is the reward)"]
+        "--eval-reward-weights and --eval-rm-type are mutually exclusive (the mixture is the reward)"
+    ]
     assert errors("--rm-type", "redness", "--reward-aggregation", "advantage") == [
-        "--reward-aggregation advantage requires --reward-weights (it normalises each reward of the mixture within "
-        "its group)"]
-    assert errors("--reward-weights", '{"brightness": 1}', "--reward-aggregation", "advantage",
-                  "--custom-reward-post-process-path", "tests.test_advantages.rank_post_process") == [
+        "--reward-aggregation advantage requires --reward-weights (it normalises each reward of the mixture within its group)"
+    ]
+    assert errors(
+        "--reward-weights",
+        '{"brightness": 1}',
+        "--reward-aggregation",
+        "advantage",
+        "--custom-reward-post-process-path",
+        "tests.test_advantages.rank_post_process",
+    ) == [
         "--reward-aggregation advantage and --custom-reward-post-process-path are mutually exclusive (the custom "
-        "function replaces the normalisation)"]
+        "function replaces the normalisation)"
+    ]
     # The same mapping from a YAML configuration file.
     path = tmp_path / "mixture.yaml"
     path.write_text("reward_weights:\n  brightness: 0.5\n  redness: 0.5\nreward_aggregation: advantage\n")

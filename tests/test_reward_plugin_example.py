@@ -21,7 +21,7 @@ USE = r"""
 import asyncio, json, sys
 from types import SimpleNamespace
 import numpy as np, torch
-from miles_core.config.errors import ConfigError
+from miles_core.errors import ConfigError
 from miles_core.config.resolve import resolve_config
 from miles_core.plugin_manager import get_host
 from miles_core.training.rewards import RewardScorer
@@ -73,7 +73,7 @@ def test_reward_example_is_discovered_and_scores_through_the_run_scorer(installe
 
 def test_rewards_guide_shows_the_example_code():
     guide = (ROOT / "docs" / "rewards.md").read_text(encoding="utf-8")
-    section = guide[guide.index("## Writing a reward plugin"):]
+    section = guide[guide.index("## Writing a reward plugin") :]
     blocks = dict(re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', section, flags=re.S))
     assert set(blocks) == {"pyproject.toml", "src/miles_example_reward/plugin.py", "src/miles_example_reward/photo.py"}
     for rel, code in blocks.items():

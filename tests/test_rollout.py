@@ -1,4 +1,4 @@
-"""Trainer-side rollout (DESIGN section 6): seeds, microgroups, concurrent requests,
+"""Trainer-side rollout (docs/design.md, "Seeds and microgroups"): seeds, microgroups, concurrent requests,
 streaming callbacks, prompt data.
 
 Pinned here: groups come back in prompt order and samples in seed order whatever order
@@ -17,17 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from miles_sd3.family import SD3Family
 
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.request import RolloutOutput, RolloutRequest
-from miles_core.rollout.data import (
-    PromptDataError,
-    PromptRecord,
-    PromptSource,
-    load_prompts,
-)
+from miles_core.errors import PromptDataError
+from miles_core.request import RolloutOutput, RolloutRequest
+from miles_core.rollout.data import PromptRecord, PromptSource, load_prompts
 from miles_core.rollout.generate import RolloutSettings, generate_rollout
 from miles_core.rollout.sample import Sample
 from miles_core.rollout.seeds import (
@@ -37,6 +32,7 @@ from miles_core.rollout.seeds import (
     microgroups,
 )
 from miles_core.step_strategies import sde_window
+from miles_sd3.family import SD3Family
 
 torch.set_num_threads(1)
 
@@ -125,7 +121,11 @@ def assert_same_samples(a: list[list[Sample]], b: list[list[Sample]]) -> None:
         assert len(group_a) == len(group_b)
         for x, y in zip(group_a, group_b):
             assert (x.prompt, x.seed, x.group_index, x.index_in_group, x.sde_step_indices) == (
-                y.prompt, y.seed, y.group_index, y.index_in_group, y.sde_step_indices
+                y.prompt,
+                y.seed,
+                y.group_index,
+                y.index_in_group,
+                y.sde_step_indices,
             )
             assert torch.equal(x.pixels, y.pixels)
             assert torch.equal(x.log_probs, y.log_probs)

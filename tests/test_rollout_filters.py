@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
-from miles_core.rollout.filters import FilterError, FilterOutput, RolloutFilters
+from miles_core.errors import ConfigError, FilterError
+from miles_core.rollout.filters import FilterOutput, RolloutFilters
 from miles_core.rollout.sample import Sample
 from miles_core.training.advantages import grpo_advantages
 from miles_core.training.run import train
@@ -33,15 +33,32 @@ def make_samples(*groups: list[float]) -> list[Sample]:
     for g, rewards in enumerate(groups):
         for i, reward in enumerate(rewards):
             failed = reward != reward
-            samples.append(Sample(prompt=f"prompt {g}", metadata={}, rollout_id=0, group_index=g, index_in_group=i,
-                                  seed=100 * g + i, sde_step_indices=(), output=None, reward=reward,
-                                  reward_failed=failed, remove_sample=failed))
+            samples.append(
+                Sample(
+                    prompt=f"prompt {g}",
+                    metadata={},
+                    rollout_id=0,
+                    group_index=g,
+                    index_in_group=i,
+                    seed=100 * g + i,
+                    sde_step_indices=(),
+                    output=None,
+                    reward=reward,
+                    reward_failed=failed,
+                    remove_sample=failed,
+                )
+            )
     return samples
 
 
 def settings(n: int = 4, batch: int = 3, *, group=None, buffer=None, sample=None):
-    return SimpleNamespace(n_samples_per_prompt=n, rollout_batch_size=batch, dynamic_sampling_filter_path=group,
-                           buffer_filter_path=buffer, rollout_sample_filter_path=sample)
+    return SimpleNamespace(
+        n_samples_per_prompt=n,
+        rollout_batch_size=batch,
+        dynamic_sampling_filter_path=group,
+        buffer_filter_path=buffer,
+        rollout_sample_filter_path=sample,
+    )
 
 
 def apply(config, samples, rollout_id: int = 0):
@@ -113,12 +130,12 @@ def takes_one_argument(args):
 @pytest.mark.exercises("--dynamic-sampling-filter-path")
 def test_check_reward_nonzero_std_keeps_the_groups_whose_rewards_differ():
     samples = make_samples(
-        [1.0, 1.0, 1.0, 1.0],   # no spread: dropped
-        [0.0, 1.0, 0.0, 1.0],   # kept
-        [2.0, 2.0, 2.0, 2.0],   # dropped
-        [0.5, NAN, 0.7, 0.5],   # a failed reward does not count; the others differ: kept
-        [0.3, NAN, NAN, NAN],   # one valid reward: dropped
-        [0.4, NAN, 0.4, 0.4],   # the valid ones are equal: dropped
+        [1.0, 1.0, 1.0, 1.0],  # no spread: dropped
+        [0.0, 1.0, 0.0, 1.0],  # kept
+        [2.0, 2.0, 2.0, 2.0],  # dropped
+        [0.5, NAN, 0.7, 0.5],  # a failed reward does not count; the others differ: kept
+        [0.3, NAN, NAN, NAN],  # one valid reward: dropped
+        [0.4, NAN, 0.4, 0.4],  # the valid ones are equal: dropped
     )
     result = apply(settings(batch=6, group="check_reward_nonzero_std"), samples)
     assert [group[0].group_index for group in result.groups] == [1, 3]
@@ -152,8 +169,7 @@ def test_a_group_filter_that_returns_something_else_stops_the_run_naming_the_fla
     with pytest.raises(FilterError) as error:
         apply(settings(n=2, group=f"{HERE}.says_yes"), make_samples([0.0, 1.0]))
     assert str(error.value) == (
-        f"--dynamic-sampling-filter-path {HERE}.says_yes: must return a bool (keep the group) or "
-        "FilterOutput(keep, reason), got str 'yes'"
+        f"--dynamic-sampling-filter-path {HERE}.says_yes: must return a bool (keep the group) or FilterOutput(keep, reason), got str 'yes'"
     )
 
 
@@ -167,20 +183,28 @@ def test_a_buffer_filter_chooses_and_orders_the_groups_that_are_trained():
     result = apply(settings(n=2, batch=4, group="check_reward_nonzero_std", buffer=f"{HERE}.last_two_reversed"), samples)
     assert [g[0].group_index for g in result.groups] == [3, 2]
     assert result.samples == samples[6:8] + samples[4:6]
-    assert (result.metrics["rollout/filter/groups_dropped"], result.metrics["rollout/filter/groups_unselected"],
-            result.metrics["rollout/filter/groups_kept"]) == (1, 1, 2)
+    assert (
+        result.metrics["rollout/filter/groups_dropped"],
+        result.metrics["rollout/filter/groups_unselected"],
+        result.metrics["rollout/filter/groups_kept"],
+    ) == (1, 1, 2)
     # The registered pop_first: the first --rollout-batch-size groups, in order.
     first = apply(settings(n=2, batch=4, buffer="pop_first"), samples)
     assert first.samples == samples and first.metrics["rollout/filter/groups_unselected"] == 0
 
 
 @pytest.mark.exercises("--buffer-filter-path")
-@pytest.mark.parametrize("fn, message", [
-    ("returns_a_dict", "must return a list of groups (lists of Sample), got dict"),
-    ("returns_a_foreign_group", "item 0 of its return is not one of the groups it was given (whole prompt groups "
-                                "only, the same Sample objects)"),
-    ("returns_a_group_twice", "returned group 0 twice; each group is trained at most once"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("returns_a_dict", "must return a list of groups (lists of Sample), got dict"),
+        (
+            "returns_a_foreign_group",
+            "item 0 of its return is not one of the groups it was given (whole prompt groups only, the same Sample objects)",
+        ),
+        ("returns_a_group_twice", "returned group 0 twice; each group is trained at most once"),
+    ],
+)
 def test_a_buffer_filter_must_return_groups_it_was_given(fn, message):
     with pytest.raises(FilterError) as error:
         apply(settings(n=4, batch=2, buffer=f"{HERE}.{fn}"), make_samples([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]))
@@ -201,12 +225,14 @@ def test_a_sample_filter_masks_samples_without_dropping_them():
 
 
 @pytest.mark.exercises("--rollout-sample-filter-path")
-@pytest.mark.parametrize("fn, message", [
-    ("returns_the_groups", "must return None (it marks samples with sample.remove_sample = True), got list"),
-    ("masks_with_an_int", "sample.remove_sample must be True or False, got int 1 (sample 1 of the kept groups)"),
-    ("unmasks_everything", "set remove_sample = False on a sample whose reward failed; a failed sample stays out "
-                           "of the loss"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("returns_the_groups", "must return None (it marks samples with sample.remove_sample = True), got list"),
+        ("masks_with_an_int", "sample.remove_sample must be True or False, got int 1 (sample 1 of the kept groups)"),
+        ("unmasks_everything", "set remove_sample = False on a sample whose reward failed; a failed sample stays out of the loss"),
+    ],
+)
 def test_a_sample_filter_with_a_wrong_result_stops_the_run_naming_the_flag(fn, message):
     with pytest.raises(FilterError) as error:
         apply(settings(n=2, batch=2, sample=f"{HERE}.{fn}"), make_samples([0.0, 1.0], [NAN, 2.0]))
@@ -215,18 +241,46 @@ def test_a_sample_filter_with_a_wrong_result_stops_the_run_naming_the_flag(fn, m
 
 # -- the flags at configuration time ----------------------------------------------------------
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2", "--rm-type", "brightness"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+    "--rm-type",
+    "brightness",
+]
 
 
 @pytest.mark.exercises("--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-filter-path")
 def test_filter_flags_take_a_registered_filter_of_their_stage_or_a_callable():
-    config = resolve_config([*BASE, "--dynamic-sampling-filter-path", "check_reward_nonzero_std",
-                             "--buffer-filter-path", "pop_first", "--rollout-sample-filter-path", f"{HERE}.mask_first_sample"])
+    config = resolve_config(
+        [
+            *BASE,
+            "--dynamic-sampling-filter-path",
+            "check_reward_nonzero_std",
+            "--buffer-filter-path",
+            "pop_first",
+            "--rollout-sample-filter-path",
+            f"{HERE}.mask_first_sample",
+        ]
+    )
     assert config.dynamic_sampling_filter_path == "check_reward_nonzero_std"
     with pytest.raises(ConfigError) as error:
-        resolve_config([*BASE, "--dynamic-sampling-filter-path", "nonzero_std", "--buffer-filter-path",
-                        "check_reward_nonzero_std", "--rollout-sample-filter-path", f"{HERE}.takes_one_argument"])
+        resolve_config(
+            [
+                *BASE,
+                "--dynamic-sampling-filter-path",
+                "nonzero_std",
+                "--buffer-filter-path",
+                "check_reward_nonzero_std",
+                "--rollout-sample-filter-path",
+                f"{HERE}.takes_one_argument",
+            ]
+        )
     assert error.value.messages == [
         "--dynamic-sampling-filter-path nonzero_std: not a registered group filter (registered: "
         "check_reward_nonzero_std) nor a dotted path package.module.function",
@@ -266,27 +320,38 @@ def run(args, *extra):
 def tiny(tiny_sd3, prompts, out):
     args = tiny_run_args(tiny_sd3, prompts, out)
     at = args.index("--rm-type")
-    del args[at:at + 2]
-    return [*args, "--num-steps-per-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2",
-            "--deterministic-mode"]
+    del args[at : at + 2]
+    return [*args, "--num-steps-per-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--deterministic-mode"]
 
 
-@pytest.mark.exercises("--dynamic-sampling-filter-path", "--rollout-sample-filter-path", "--num-steps-per-rollout",
-                       "--save-debug-train-data")
+@pytest.mark.exercises(
+    "--dynamic-sampling-filter-path", "--rollout-sample-filter-path", "--num-steps-per-rollout", "--save-debug-train-data"
+)
 def test_dropped_groups_are_not_trained_and_the_kept_ones_keep_their_advantages(tiny_sd3, prompts, tmp_path):
     from miles_core.training.debug_data import load_train_data
 
     reward = ["--custom-rm-path", f"{HERE}.even_groups_constant_rm", "--num-rollout", "2"]
-    plain, _ = run(tiny(tiny_sd3, prompts, tmp_path / "plain"), *reward,
-                   "--save-debug-train-data", str(tmp_path / "plain-train" / "{}.msgpack"))
-    filtered, _ = run(tiny(tiny_sd3, prompts, tmp_path / "filtered"), *reward,
-                      "--dynamic-sampling-filter-path", "check_reward_nonzero_std",
-                      "--rollout-sample-filter-path", f"{HERE}.mask_first_sample",
-                      "--save-debug-train-data", str(tmp_path / "filtered-train" / "{}.msgpack"))
+    plain, _ = run(
+        tiny(tiny_sd3, prompts, tmp_path / "plain"), *reward, "--save-debug-train-data", str(tmp_path / "plain-train" / "{}.msgpack")
+    )
+    filtered, _ = run(
+        tiny(tiny_sd3, prompts, tmp_path / "filtered"),
+        *reward,
+        "--dynamic-sampling-filter-path",
+        "check_reward_nonzero_std",
+        "--rollout-sample-filter-path",
+        f"{HERE}.mask_first_sample",
+        "--save-debug-train-data",
+        str(tmp_path / "filtered-train" / "{}.msgpack"),
+    )
     for before, after in zip(plain, filtered):
         # The even group (all 0.5) is dropped; the odd one is trained, its first sample masked.
-        assert (after["rollout/filter/groups_kept"], after["rollout/filter/groups_dropped"],
-                after["rollout/filter/drop_zero_std_0.5"], after["rollout/filter/samples_removed"]) == (1, 1, 1, 1)
+        assert (
+            after["rollout/filter/groups_kept"],
+            after["rollout/filter/groups_dropped"],
+            after["rollout/filter/drop_zero_std_0.5"],
+            after["rollout/filter/samples_removed"],
+        ) == (1, 1, 1, 1)
         assert (before["rollout/filter/groups_kept"], before["rollout/filter/groups_dropped"]) == (2, 0)
         assert (before["rollout/num_samples"], after["rollout/num_samples"]) == (8, 4)
         # 4 samples x 2 SDE steps, over the same 2 optimizer steps; the reward metrics cover the whole rollout.
@@ -311,11 +376,22 @@ def test_dropped_groups_are_not_trained_and_the_kept_ones_keep_their_advantages(
 
 @pytest.mark.exercises("--dynamic-sampling-filter-path")
 def test_a_rollout_whose_groups_are_all_dropped_trains_nothing(tiny_sd3, prompts, tmp_path):
-    records, lines = run(tiny(tiny_sd3, prompts, tmp_path / "run"), "--custom-rm-path", f"{HERE}.constant_rm",
-                         "--num-rollout", "1", "--dynamic-sampling-filter-path", "check_reward_nonzero_std")
+    records, lines = run(
+        tiny(tiny_sd3, prompts, tmp_path / "run"),
+        "--custom-rm-path",
+        f"{HERE}.constant_rm",
+        "--num-rollout",
+        "1",
+        "--dynamic-sampling-filter-path",
+        "check_reward_nonzero_std",
+    )
     (record,) = records
-    assert (record["rollout/filter/groups_kept"], record["rollout/filter/groups_dropped"],
-            record["rollout/filter/drop_zero_std_1.0"], record["rollout/num_samples"]) == (0, 2, 2, 0)
+    assert (
+        record["rollout/filter/groups_kept"],
+        record["rollout/filter/groups_dropped"],
+        record["rollout/filter/drop_zero_std_1.0"],
+        record["rollout/num_samples"],
+    ) == (0, 2, 2, 0)
     assert not [key for key in record if key.startswith("train/")]
     assert "rollout/advantages/abs_mean" not in record and record["rollout/reward/raw_mean"] == 1.0
     assert lines[0] == (
@@ -337,20 +413,22 @@ def test_the_filter_example_of_the_docs_works(monkeypatch):
     module = types.ModuleType("my_filters")
     exec(compile(code, "my_filters.py", "exec"), module.__dict__)
     monkeypatch.setitem(sys.modules, "my_filters", module)
-    result = apply(settings(n=2, batch=3, group="my_filters.not_all_failed"),
-                   make_samples([NAN, NAN], [1.0, NAN], [2.0, 2.0]))
+    result = apply(settings(n=2, batch=3, group="my_filters.not_all_failed"), make_samples([NAN, NAN], [1.0, NAN], [2.0, 2.0]))
     assert [g[0].group_index for g in result.groups] == [1, 2]
     assert result.metrics["rollout/filter/drop_all_failed"] == 1
 
 
 @pytest.mark.exercises("--num-steps-per-rollout")
-@pytest.mark.parametrize("count, steps, sizes", [
-    (16, 2, [8, 8]),        # a full rollout: --global-batch-size samples per step
-    (8, 2, [4, 4]),         # half the groups dropped: the same two steps, half as large
-    (6, 4, [2, 2, 1, 1]),   # sizes differ by at most one
-    (2, 4, [1, 1]),         # fewer samples than steps: one step per sample, none empty
-    (0, 4, []),
-])
+@pytest.mark.parametrize(
+    "count, steps, sizes",
+    [
+        (16, 2, [8, 8]),  # a full rollout: --global-batch-size samples per step
+        (8, 2, [4, 4]),  # half the groups dropped: the same two steps, half as large
+        (6, 4, [2, 2, 1, 1]),  # sizes differ by at most one
+        (2, 4, [1, 1]),  # fewer samples than steps: one step per sample, none empty
+        (0, 4, []),
+    ],
+)
 def test_a_smaller_batch_is_spread_over_the_same_optimizer_steps(count, steps, sizes):
     from miles_core.training.trainer import Trainer
 

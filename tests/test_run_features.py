@@ -9,16 +9,16 @@ import io
 import json
 import shutil
 import struct
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
-from miles_core.training.run import RunError, train
+from miles_core.errors import ConfigError, RunError
+from miles_core.training.run import train
 from tests.tiny_runs import tiny_run_args
 
 TRAIN = ("--num-steps-per-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--deterministic-mode")
@@ -27,9 +27,10 @@ TRAIN = ("--num-steps-per-rollout", "2", "--use-lora", "--lora-rank", "4", "--lr
 def base_args(tiny_sd3, prompts, out):
     return tiny_run_args(tiny_sd3, prompts, out)
 
-def run(tiny_sd3, prompts, out, *extra, log=lambda line: None):
+
+def run(tiny_sd3, prompts, out, *extra, log=lambda line: None, engine_factory=None):
     config = resolve_config([*base_args(tiny_sd3, prompts, out), *extra])
-    path = asyncio.run(train(config, log=log))
+    path = asyncio.run(train(config, log=log, engine_factory=engine_factory))
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -69,8 +70,8 @@ def wandb_records(path: Path):
         if left < 7:
             position += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        chunk = data[position + 7:position + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk = data[position + 7 : position + 7 + length]
         position += 7 + length
         pending = chunk if kind == 2 else pending + chunk  # 1 full, 2 first, 3 middle, 4 last
         if kind in (1, 4):
@@ -88,8 +89,12 @@ def items(entries):
 def wandb_env(tmp_path, monkeypatch):
     """W&B's own files under tmp_path. wandb reads its environment once per process, so
     the runs also name their directory (``--wandb-dir``)."""
-    for name, sub in (("WANDB_DIR", "wb"), ("WANDB_CACHE_DIR", "wb-cache"), ("WANDB_CONFIG_DIR", "wb-config"),
-                      ("WANDB_DATA_DIR", "wb-data")):
+    for name, sub in (
+        ("WANDB_DIR", "wb"),
+        ("WANDB_CACHE_DIR", "wb-cache"),
+        ("WANDB_CONFIG_DIR", "wb-config"),
+        ("WANDB_DATA_DIR", "wb-data"),
+    ):
         (tmp_path / sub).mkdir()
         monkeypatch.setenv(name, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -97,14 +102,39 @@ def wandb_env(tmp_path, monkeypatch):
     return tmp_path / "wb"
 
 
-@pytest.mark.exercises("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-mode", "--disable-wandb-random-suffix",
-                         "--wandb-log-num-images", "--wandb-log-image-interval")
+@pytest.mark.exercises(
+    "--use-wandb",
+    "--wandb-project",
+    "--wandb-group",
+    "--wandb-mode",
+    "--disable-wandb-random-suffix",
+    "--wandb-log-num-images",
+    "--wandb-log-image-interval",
+)
 def test_wandb_offline_run_logs_scalars_step_series_and_images(tiny_sd3, prompts, tmp_path, wandb_env):
     records = run(
-        tiny_sd3, prompts, tmp_path / "run", "--num-rollout", "3", *TRAIN,
-        "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(wandb_env), "--wandb-project", "miles-test", "--wandb-group", "tiny",
-        "--disable-wandb-random-suffix", "--wandb-key", "not-a-real-key",
-        "--wandb-log-num-images", "2", "--wandb-log-image-interval", "2",
+        tiny_sd3,
+        prompts,
+        tmp_path / "run",
+        "--num-rollout",
+        "3",
+        *TRAIN,
+        "--use-wandb",
+        "--wandb-mode",
+        "offline",
+        "--wandb-dir",
+        str(wandb_env),
+        "--wandb-project",
+        "miles-test",
+        "--wandb-group",
+        "tiny",
+        "--disable-wandb-random-suffix",
+        "--wandb-key",
+        "not-a-real-key",
+        "--wandb-log-num-images",
+        "2",
+        "--wandb-log-image-interval",
+        "2",
     )
     (run_dir,) = (wandb_env / "wandb").glob("offline-run-*")
     (log_file,) = run_dir.glob("run-*.wandb")
@@ -149,8 +179,13 @@ def test_wandb_video_is_a_pillow_gif(tmp_path, wandb_env):
 
     names = ("project", "group", "run_id", "team", "host", "key")
     config = SimpleNamespace(
-        **{f"wandb_{n}": None for n in names}, wandb_mode="offline", wandb_dir=str(wandb_env), disable_wandb_random_suffix=False,
-        wandb_log_num_images=1, wandb_log_image_interval=1, diffusion_fps=4,
+        **{f"wandb_{n}": None for n in names},
+        wandb_mode="offline",
+        wandb_dir=str(wandb_env),
+        disable_wandb_random_suffix=False,
+        wandb_log_num_images=1,
+        wandb_log_image_interval=1,
+        diffusion_fps=4,
     )
     logger = WandbLogger(config, {"logging": {"wandb_key": None}}, tmp_path / "my-run")
     assert logger.run.name.startswith("my-run-") and len(logger.run.name) == len("my-run-") + 6
@@ -178,24 +213,34 @@ def test_missing_wandb_is_one_line_naming_the_flag_and_the_extra(tiny_sd3, promp
 # -- debug data ---------------------------------------------------------------------------------
 
 
-@pytest.mark.exercises("--dump-details", "--load-debug-rollout-data", "--load-debug-rollout-data-subsample",
-                         "--save-debug-train-data", "--train-only")
+@pytest.mark.exercises(
+    "--dump-details", "--load-debug-rollout-data", "--load-debug-rollout-data-subsample", "--save-debug-train-data", "--train-only"
+)
 def test_replayed_rollouts_reproduce_the_train_metrics(tiny_sd3, prompts, tmp_path, monkeypatch):
-    from miles_core.training import run as run_module
     from miles_core.training.debug_data import load_rollout_data, load_train_data
 
-    original = run(tiny_sd3, prompts, tmp_path / "original", "--num-rollout", "2", *TRAIN,
-                   "--dump-details", str(tmp_path / "dump"))
+    original = run(tiny_sd3, prompts, tmp_path / "original", "--num-rollout", "2", *TRAIN, "--dump-details", str(tmp_path / "dump"))
     rollout_data = tmp_path / "dump" / "rollout_data"
     assert sorted(p.name for p in rollout_data.iterdir()) == ["0.msgpack", "1.msgpack"]
 
     def no_engine(config):
         raise AssertionError("a replay must not start an engine")
 
-    monkeypatch.setattr(run_module, "_engine", no_engine)
     template = str(rollout_data / "{}.msgpack")
-    replay = run(tiny_sd3, prompts, tmp_path / "replay", "--num-rollout", "2", *TRAIN, "--train-only",
-                 "--load-debug-rollout-data", template, "--save-debug-train-data", str(tmp_path / "replay-train" / "{}.msgpack"))
+    replay = run(
+        tiny_sd3,
+        prompts,
+        tmp_path / "replay",
+        "--num-rollout",
+        "2",
+        *TRAIN,
+        "--train-only",
+        "--load-debug-rollout-data",
+        template,
+        "--save-debug-train-data",
+        str(tmp_path / "replay-train" / "{}.msgpack"),
+        engine_factory=no_engine,
+    )
     assert train_metrics(replay) == train_metrics(original)
     assert replay[0]["train/grad_norm_per_step"][0] > 0 and len(replay[1]["train/clipfrac_per_step"]) == 2
 
@@ -205,8 +250,10 @@ def test_replayed_rollouts_reproduce_the_train_metrics(tiny_sd3, prompts, tmp_pa
     pairs = saved["pairs"]
     assert len(pairs["step"]) == original[1]["train/num_pairs"] == 16
     samples, rewards = load_rollout_data(template, 1)
-    expected = torch.tensor([float(samples[i].output.rollout_log_probs[k])
-                             for i, k in zip(pairs["sample_index"].tolist(), pairs["step"].tolist())], dtype=torch.float64)
+    expected = torch.tensor(
+        [float(samples[i].output.rollout_log_probs[k]) for i, k in zip(pairs["sample_index"].tolist(), pairs["step"].tolist())],
+        dtype=torch.float64,
+    )
     assert torch.equal(pairs["old_log_prob"], expected)
     assert torch.equal(saved["rewards"], rewards) and torch.equal(saved["advantages"], again["advantages"])
     assert torch.equal(pairs["old_log_prob"], again["pairs"]["old_log_prob"])
@@ -217,18 +264,42 @@ def test_replayed_rollouts_reproduce_the_train_metrics(tiny_sd3, prompts, tmp_pa
     swapped.mkdir()
     shutil.copy(rollout_data / "0.msgpack", swapped / "1.msgpack")
     shutil.copy(rollout_data / "1.msgpack", swapped / "0.msgpack")
-    other = run(tiny_sd3, prompts, tmp_path / "other", "--num-rollout", "2", *TRAIN,
-                "--load-debug-rollout-data", str(swapped / "{}.msgpack"))
+    other = run(
+        tiny_sd3, prompts, tmp_path / "other", "--num-rollout", "2", *TRAIN, "--load-debug-rollout-data", str(swapped / "{}.msgpack")
+    )
     assert other[0]["train/loss"] != original[0]["train/loss"]
-    half = run(tiny_sd3, prompts, tmp_path / "half", "--num-rollout", "2", *TRAIN, "--train-only",
-               "--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.5")
+    half = run(
+        tiny_sd3,
+        prompts,
+        tmp_path / "half",
+        "--num-rollout",
+        "2",
+        *TRAIN,
+        "--train-only",
+        "--load-debug-rollout-data",
+        template,
+        "--load-debug-rollout-data-subsample",
+        "0.5",
+    )
     assert [r["rollout/num_samples"] for r in half] == [4, 4] and [r["train/num_pairs"] for r in half] == [8, 8]
     assert half[0]["train/loss_per_step"] != original[0]["train/loss_per_step"]
     assert len(half[0]["train/loss_per_step"]) == 2  # the kept samples spread over the same steps
     # The subsample is deterministic.
-    assert train_metrics(half) == train_metrics(run(
-        tiny_sd3, prompts, tmp_path / "half-again", "--num-rollout", "2", *TRAIN, "--train-only",
-        "--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.5"))
+    assert train_metrics(half) == train_metrics(
+        run(
+            tiny_sd3,
+            prompts,
+            tmp_path / "half-again",
+            "--num-rollout",
+            "2",
+            *TRAIN,
+            "--train-only",
+            "--load-debug-rollout-data",
+            template,
+            "--load-debug-rollout-data-subsample",
+            "0.5",
+        )
+    )
 
 
 @pytest.mark.exercises("--load-debug-rollout-data")
@@ -239,15 +310,19 @@ def test_a_missing_replay_file_is_one_line_naming_the_flag_and_path(tiny_sd3, pr
     assert str(error.value) == f"--load-debug-rollout-data {template}: {tmp_path / 'nothing' / '0.msgpack'} not found (rollout 0)"
 
 
-@pytest.mark.exercises("--train-only", "--dump-details", "--save-debug-rollout-data", "--save-debug-train-data",
-                         "--load-debug-rollout-data", "--load-debug-rollout-data-subsample")
+@pytest.mark.exercises(
+    "--train-only",
+    "--dump-details",
+    "--save-debug-rollout-data",
+    "--save-debug-train-data",
+    "--load-debug-rollout-data",
+    "--load-debug-rollout-data-subsample",
+)
 def test_debug_flags_resolve_and_refuse(tiny_sd3, prompts, tmp_path):
     base = base_args(tiny_sd3, prompts, tmp_path / "run")
     with pytest.raises(ConfigError) as error:
         resolve_config([*base, "--train-only"])
-    assert error.value.messages == [
-        "--train-only requires --load-debug-rollout-data (the saved rollouts to train on; no engine starts)"
-    ]
+    assert error.value.messages == ["--train-only requires --load-debug-rollout-data (the saved rollouts to train on; no engine starts)"]
     config = resolve_config([*base, "--debug-train-only", "--load-debug-rollout-data", "r/{}.msgpack"])
     assert config.train_only
     config = resolve_config([*base, "--load-debug-rollout-data", "r/{rollout_id}.msgpack"])
@@ -255,11 +330,20 @@ def test_debug_flags_resolve_and_refuse(tiny_sd3, prompts, tmp_path):
     config = resolve_config([*base, "--dump-details", "d", "--save-debug-train-data", "t/{}.bin"])
     assert (config.save_debug_rollout_data, config.save_debug_train_data) == ("d/rollout_data/{}.msgpack", "t/{}.bin")
     with pytest.raises(ConfigError) as error:
-        resolve_config([*base, "--save-debug-rollout-data", "r.msgpack", "--load-debug-rollout-data", "x/{}.m",
-                        "--load-debug-rollout-data-subsample", "1.5"])
+        resolve_config(
+            [
+                *base,
+                "--save-debug-rollout-data",
+                "r.msgpack",
+                "--load-debug-rollout-data",
+                "x/{}.m",
+                "--load-debug-rollout-data-subsample",
+                "1.5",
+            ]
+        )
     assert error.value.messages == [
+        "--load-debug-rollout-data-subsample 1.5: must be in (0, 1]",
         "--save-debug-rollout-data r.msgpack: the template needs {} or {rollout_id} for the rollout id",
-        "--load-debug-rollout-data-subsample 1.5: must be in (0, 1] (the fraction of groups kept)",
     ]
 
 
@@ -301,10 +385,12 @@ def test_ema_rollout_policy_samples_with_the_ema_weights(tiny_sd3, prompts, tmp_
     """With decay 1 the EMA never leaves the initial weights, so sampling with it must
     reproduce, bit for bit, a run whose weights never train; sampling with the live
     weights must not, and neither must an EMA that moves (decay 0.5)."""
+
     def samples(name, *extra):
         template = str(tmp_path / name / "{}.msgpack")
-        records = run(tiny_sd3, prompts, tmp_path / f"run-{name}", "--num-rollout", "2", *TRAIN,
-                      "--save-debug-rollout-data", template, *extra)
+        records = run(
+            tiny_sd3, prompts, tmp_path / f"run-{name}", "--num-rollout", "2", *TRAIN, "--save-debug-rollout-data", template, *extra
+        )
         return records, outputs_of(template, 1)
 
     ema_args = ("--use-ema", "--ema-rollout-policy", "ema", "--ema-decay-flat-steps", "1000")
@@ -331,8 +417,19 @@ def test_ema_rollout_policy_syncs_the_ema_to_a_remote_engine(tiny_sd3, prompts, 
         wait_healthy(thread.url)
         before = checksum_of(thread.url)
         remote = ("--rollout-engine", "http", "--rollout-engine-urls", thread.url, "--num-rollout", "2", *TRAIN)
-        records = run(tiny_sd3, prompts, tmp_path / "ema", *remote, "--use-ema", "--ema-rollout-policy", "ema",
-                      "--ema-decay-init", "1.0", "--ema-decay-flat-steps", "1000")
+        records = run(
+            tiny_sd3,
+            prompts,
+            tmp_path / "ema",
+            *remote,
+            "--use-ema",
+            "--ema-rollout-policy",
+            "ema",
+            "--ema-decay-init",
+            "1.0",
+            "--ema-decay-flat-steps",
+            "1000",
+        )
         assert all(r["train/grad_norm"] > 0 for r in records) and records[1]["perf/weight_sync_bytes"] > 0
         assert checksum_of(thread.url) == before  # the EMA (still the initial weights) was synced
         run(tiny_sd3, prompts, tmp_path / "live", *remote)

@@ -20,10 +20,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.errors import ConfigError, RequestError
+from miles_core.request import RolloutRequest
 
 SIZE, STEPS, SHIFT = 32, 4, 5.0
 PROMPT = "a red cube on a blue table"
@@ -50,8 +50,16 @@ def copy_with_scheduler_shift(src: Path, dst: Path, value: float) -> Path:
 
 
 def request(**overrides) -> RolloutRequest:
-    fields = dict(prompt=PROMPT, seed=11, height=SIZE, width=SIZE, num_inference_steps=STEPS, guidance_scale=4.5,
-                  num_outputs_per_prompt=2, rollout_return_dit_trajectory=True)
+    fields = dict(
+        prompt=PROMPT,
+        seed=11,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=4.5,
+        num_outputs_per_prompt=2,
+        rollout_return_dit_trajectory=True,
+    )
     return RolloutRequest(**{**fields, **overrides})
 
 
@@ -143,8 +151,18 @@ def test_config_puts_the_shift_on_every_rollout_request(tiny_sd3, prompts):
     from miles_core.rollout.generate import RolloutSettings
     from miles_core.rollout.seeds import microgroups
 
-    base = ["--hf-checkpoint", str(tiny_sd3), "--prompt-data", str(prompts), "--rollout-batch-size", "1",
-            "--n-samples-per-prompt", "2", "--diffusion-num-steps", str(STEPS)]
+    base = [
+        "--hf-checkpoint",
+        str(tiny_sd3),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "1",
+        "--n-samples-per-prompt",
+        "2",
+        "--diffusion-num-steps",
+        str(STEPS),
+    ]
     group = microgroups(0, 0, 2, 2)[0]
     shifted = RolloutSettings.from_config(resolve_config([*base, "--diffusion-flow-shift", "5"]))
     assert shifted.request("p", group, (0,), (0, STEPS)).flow_shift == SHIFT
@@ -190,8 +208,16 @@ def test_evaluation_with_a_shift_matches_diffusers_with_that_scheduler_shift(eng
     def diffusers_image(checkpoint: Path) -> torch.Tensor:
         pipe = StableDiffusion3Pipeline.from_pretrained(str(checkpoint))
         pipe.set_progress_bar_config(disable=True)
-        return pipe(PROMPT, negative_prompt=" ", latents=noise, height=SIZE, width=SIZE, num_inference_steps=STEPS,
-                    guidance_scale=4.5, output_type="pt").images[0]
+        return pipe(
+            PROMPT,
+            negative_prompt=" ",
+            latents=noise,
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=STEPS,
+            guidance_scale=4.5,
+            output_type="pt",
+        ).images[0]
 
     assert (ours - diffusers_image(shifted_dir)).abs().max() <= 1e-5  # the family's tolerance against diffusers
     assert (ours - diffusers_image(tiny_sd3)).abs().max() > 1e-4  # control: the unshifted pipeline differs
@@ -199,8 +225,9 @@ def test_evaluation_with_a_shift_matches_diffusers_with_that_scheduler_shift(eng
 
 @pytest.mark.exercises("--diffusion-flow-shift")
 def test_served_engine_applies_the_shift_and_refuses_a_bad_one(engine):
-    from miles_core.engine.http import EngineRequestError, HttpEngine
+    from miles_core.engine.http import HttpEngine
     from miles_core.engine.server import create_app, start_server
+    from miles_core.errors import EngineRequestError
 
     req = with_shift(request(request_id="served"), SHIFT)
 
@@ -235,11 +262,27 @@ def write_sft_rows(root: Path) -> Path:
 
 
 def sft_config(checkpoint: Path, data: Path, *extra: str):
-    return resolve_config([
-        "--hf-checkpoint", str(checkpoint), "--diffusion-model-family", "sd3", "--prompt-data", str(data),
-        "--loss-type", "sft_loss", "--rollout-batch-size", "3", "--diffusion-num-steps", "10",
-        "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE), *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--diffusion-model-family",
+            "sd3",
+            "--prompt-data",
+            str(data),
+            "--loss-type",
+            "sft_loss",
+            "--rollout-batch-size",
+            "3",
+            "--diffusion-num-steps",
+            "10",
+            "--diffusion-height",
+            str(SIZE),
+            "--diffusion-width",
+            str(SIZE),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.exercises("--fsdp-flow-shift")
@@ -304,7 +347,8 @@ def same_weights(module: torch.nn.Module, reference: dict[str, torch.Tensor]) ->
 
 @pytest.mark.exercises("--sft-encoder-checkpoint")
 def test_sft_takes_tokenizers_text_encoders_and_vae_from_the_encoder_checkpoint(encoder_dirs, tmp_path):
-    from miles_core.training.sft import load_sft_family, load_sft_rows, sft_batch, sft_params
+    from miles_core.model_loading import load_sft_family
+    from miles_core.training.sft import load_sft_rows, sft_batch, sft_params
 
     data = write_sft_rows(tmp_path)
     encoders = StableDiffusion3Pipeline.from_pretrained(str(encoder_dirs["encoders"]))
@@ -312,8 +356,7 @@ def test_sft_takes_tokenizers_text_encoders_and_vae_from_the_encoder_checkpoint(
     plain_family = load_sft_family(sft_config(encoder_dirs["train"], data))
     assert not same_weights(plain_family.pipeline.vae, state(encoders.vae))  # the fixture really differs
     for checkpoint in ("train", "transformer_only"):
-        family = load_sft_family(sft_config(encoder_dirs[checkpoint], data,
-                                            "--sft-encoder-checkpoint", str(encoder_dirs["encoders"])))
+        family = load_sft_family(sft_config(encoder_dirs[checkpoint], data, "--sft-encoder-checkpoint", str(encoder_dirs["encoders"])))
         pipe = family.pipeline
         for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
             assert same_weights(getattr(pipe, name), state(getattr(encoders, name))), name
@@ -335,8 +378,8 @@ def test_sft_takes_tokenizers_text_encoders_and_vae_from_the_encoder_checkpoint(
 
 @pytest.mark.exercises("--sft-encoder-checkpoint")
 def test_sft_encoder_checkpoint_without_the_components_is_a_one_line_error(encoder_dirs, tmp_path):
-    from miles_core.training.run import RunError
-    from miles_core.training.sft import load_sft_family
+    from miles_core.errors import RunError
+    from miles_core.model_loading import load_sft_family
 
     data = write_sft_rows(tmp_path / "data")
     lacking = shutil.copytree(encoder_dirs["encoders"], tmp_path / "lacking")
@@ -345,8 +388,11 @@ def test_sft_encoder_checkpoint_without_the_components_is_a_one_line_error(encod
     del index["tokenizer_2"]
     (lacking / "model_index.json").write_text(json.dumps(index))
     for directory, message in [
-        (lacking, r"^--sft-encoder-checkpoint \S+lacking: lacks vae, tokenizer_2 \(each of .* needs a model_index.json "
-                  r"entry and a folder\)$"),
+        (
+            lacking,
+            r"^--sft-encoder-checkpoint \S+lacking: lacks vae, tokenizer_2 \(each of .* needs a model_index.json "
+            r"entry and a folder\)$",
+        ),
         (tmp_path / "nowhere", r"^--sft-encoder-checkpoint \S+nowhere: not a local diffusers pipeline directory"),
     ]:
         config = sft_config(encoder_dirs["train"], data, "--sft-encoder-checkpoint", str(directory))
@@ -362,12 +408,11 @@ def test_sft_encoder_checkpoint_without_the_components_is_a_one_line_error(encod
 def test_bad_shift_and_sft_source_flags_are_one_line_config_errors(tiny_sd3, prompts, tmp_path):
     data = write_sft_rows(tmp_path)
     rl = ["--hf-checkpoint", str(tiny_sd3), "--prompt-data", str(prompts), "--rollout-batch-size", "1"]
-    sft = ["--hf-checkpoint", str(tiny_sd3), "--prompt-data", str(data), "--rollout-batch-size", "1",
-           "--loss-type", "sft_loss"]
+    sft = ["--hf-checkpoint", str(tiny_sd3), "--prompt-data", str(data), "--rollout-batch-size", "1", "--loss-type", "sft_loss"]
     cases = [
-        (rl + ["--diffusion-flow-shift", "0"], "--diffusion-flow-shift 0.0: must be a finite number > 0"),
+        (rl + ["--diffusion-flow-shift", "0"], "--diffusion-flow-shift 0.0: must be positive"),
         (rl + ["--diffusion-flow-shift", "nan"], "--diffusion-flow-shift nan: must be a finite number > 0"),
-        (sft + ["--fsdp-flow-shift", "-2"], "--fsdp-flow-shift -2.0: must be a finite number > 0"),
+        (sft + ["--fsdp-flow-shift", "-2"], "--fsdp-flow-shift -2.0: must be positive"),
         (rl + ["--fsdp-flow-shift", "2"], "--fsdp-flow-shift applies to --loss-type sft_loss only"),
         (sft + ["--diffusion-flow-shift", "2"], "--diffusion-flow-shift shapes the rollout engine's schedule"),
         (rl + ["--sft-encoder-checkpoint", str(tiny_sd3)], "--sft-encoder-checkpoint requires --loss-type sft_loss"),
@@ -386,15 +431,46 @@ def test_a_run_with_a_shift_trains_on_the_shifted_sigmas_with_zero_drift(tiny_sd
     from miles_core.training.debug_data import load_rollout_data
     from miles_core.training.run import train
 
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", str(STEPS), "--diffusion-num-sde-steps", "2", "--diffusion-height", str(SIZE),
-        "--diffusion-width", str(SIZE), "--rm-type", "jpeg_incompressibility", "--num-rollout", "1",
-        "--debug-skip-optimizer-step", "--diffusion-debug-mode", "--micro-batch-size-sample", "2",
-        "--micro-batch-size-tstep", "1", "--diffusion-flow-shift", str(SHIFT),
-        "--save-debug-rollout-data", str(tmp_path / "rollouts" / "{}.msgpack"), "--output-dir", str(tmp_path / "run"),
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--diffusion-model-family",
+            "sd3",
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-microgroup-size",
+            "2",
+            "--diffusion-num-steps",
+            str(STEPS),
+            "--diffusion-num-sde-steps",
+            "2",
+            "--diffusion-height",
+            str(SIZE),
+            "--diffusion-width",
+            str(SIZE),
+            "--rm-type",
+            "jpeg_incompressibility",
+            "--num-rollout",
+            "1",
+            "--debug-skip-optimizer-step",
+            "--diffusion-debug-mode",
+            "--micro-batch-size-sample",
+            "2",
+            "--micro-batch-size-tstep",
+            "1",
+            "--diffusion-flow-shift",
+            str(SHIFT),
+            "--save-debug-rollout-data",
+            str(tmp_path / "rollouts" / "{}.msgpack"),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     path = asyncio.run(train(config, log=lambda line: None))
     (record,) = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     # The trainer recomputes the engine's log-probs on the recorded (shifted) sigmas exactly.

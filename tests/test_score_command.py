@@ -49,12 +49,30 @@ def test_scores_files_with_a_registered_reward(capsys, images):
 @pytest.mark.exercises("--prompt-data", "--input-key", "--metadata-key")
 def test_prompt_data_rows_name_prompts_images_and_a_per_sample_reward(capsys, images, tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("\n".join(json.dumps(r) for r in [
-        {"text": "a red cube", "file": "red.png"},
-        {"text": "a blue ball", "file": str(images["blue"]), "meta": {"rm_type": "brightness"}},
-    ]) + "\n")
-    code, lines, _ = score(capsys, "--rm-type", "redness", "--prompt-data", rows, "--input-key", "text",
-                           "--image-key", "file", "--metadata-key", "meta", "--json")
+    rows.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"text": "a red cube", "file": "red.png"},
+                {"text": "a blue ball", "file": str(images["blue"]), "meta": {"rm_type": "brightness"}},
+            ]
+        )
+        + "\n"
+    )
+    code, lines, _ = score(
+        capsys,
+        "--rm-type",
+        "redness",
+        "--prompt-data",
+        rows,
+        "--input-key",
+        "text",
+        "--image-key",
+        "file",
+        "--metadata-key",
+        "meta",
+        "--json",
+    )
     assert code == 0
     records = [json.loads(line) for line in lines]
     assert [r["prompt"] for r in records] == ["a red cube", "a blue ball"]
@@ -66,12 +84,12 @@ def test_prompt_data_rows_name_prompts_images_and_a_per_sample_reward(capsys, im
 def test_custom_group_and_dict_rewards(capsys, images):
     files = [images["red"], images["blue"], images["red"]]
     _, plain, _ = score(capsys, "--custom-rm-path", "tests.score_examples.group_size_rm", "--prompt", "p", *files)
-    _, grouped, _ = score(capsys, "--custom-rm-path", "tests.score_examples.group_size_rm", "--group-rm",
-                          "--prompt", "p", *files)
+    _, grouped, _ = score(capsys, "--custom-rm-path", "tests.score_examples.group_size_rm", "--group-rm", "--prompt", "p", *files)
     assert [line.split()[1] for line in plain[:3]] == ["3.000000"] * 3  # one batched call
     assert [line.split()[1] for line in grouped[:3]] == ["3.000000"] * 3  # one prompt: one group
-    code, keyed, _ = score(capsys, "--custom-rm-path", "tests.score_examples.width_rm", "--reward-key", "width",
-                           "--prompt", "p", images["red"])
+    code, keyed, _ = score(
+        capsys, "--custom-rm-path", "tests.score_examples.width_rm", "--reward-key", "width", "--prompt", "p", images["red"]
+    )
     assert code == 0 and keyed[0].split()[1] == "24.000000" and "height 16.000000" in keyed[0]
 
 
@@ -94,14 +112,13 @@ def test_bad_input_is_one_line(capsys, images, tmp_path):
 
 @pytest.mark.exercises("--reward-weights")
 def test_a_mixture_prints_its_components_and_a_failed_sample_says_so(capsys, images, tmp_path):
-    code, lines, _ = score(capsys, "--reward-weights", '{"redness": 0.5, "brightness": 2.0}', "--prompt", "p",
-                           images["red"])
+    code, lines, _ = score(capsys, "--reward-weights", '{"redness": 0.5, "brightness": 2.0}', "--prompt", "p", images["red"])
     bright = np.mean(RED) / 255
     assert code == 0
-    assert lines[0] == (f"{images['red']}  {0.5 * redness(RED) + 2.0 * bright:.6f}  redness {redness(RED):.6f}"
-                        f"  brightness {bright:.6f}")
-    code, lines, err = score(capsys, "--custom-rm-path", "tests.reward_examples.fails_first_sample", "--prompt", "p",
-                             images["red"], images["blue"])
+    assert lines[0] == (f"{images['red']}  {0.5 * redness(RED) + 2.0 * bright:.6f}  redness {redness(RED):.6f}  brightness {bright:.6f}")
+    code, lines, err = score(
+        capsys, "--custom-rm-path", "tests.reward_examples.fails_first_sample", "--prompt", "p", images["red"], images["blue"]
+    )
     assert code == 0 and lines[0] == f"{images['red']}  failed" and "1 of 2 image(s) scored" in lines[2]
 
 
@@ -115,7 +132,6 @@ def test_an_animated_gif_is_scored_as_a_video(capsys, tmp_path):
 
 
 def test_a_reward_that_fails_on_every_image_is_a_warning_not_a_stop(capsys, images):
-    code, lines, err = score(capsys, "--custom-rm-path", "tests.reward_examples.always_fails", "--prompt", "p",
-                             images["red"])
+    code, lines, err = score(capsys, "--custom-rm-path", "tests.reward_examples.always_fails", "--prompt", "p", images["red"])
     assert code == 0 and lines == [f"{images['red']}  failed"]
     assert err.splitlines()[-1].startswith("miles-core score: warning: reward ")

@@ -1,4 +1,4 @@
-"""The denoising-step backends against DESIGN section 7, with references in float64
+"""The denoising-step backends against docs/design.md, "The SDE step and its log-probability", with references in float64
 written here (not the module's helpers)."""
 
 from __future__ import annotations
@@ -8,14 +8,8 @@ import math
 import pytest
 import torch
 
-from miles_core.sde import (
-    BACKENDS,
-    CpsBackend,
-    FlowSdeBackend,
-    NonFiniteLogProbError,
-    OdeBackend,
-    SdeBackend,
-)
+from miles_core.errors import NonFiniteLogProbError
+from miles_core.sde import BACKENDS, CpsBackend, FlowSdeBackend, OdeBackend, SdeBackend
 
 torch.set_num_threads(1)
 
@@ -108,8 +102,7 @@ def test_sde_sigma_one_uses_sigma_max():
 def test_sde_noise_scale_and_std_relation():
     be = FlowSdeBackend(noise_level=0.7)
     x, v = latents((3, 2, 2, 2))
-    out = be.step(x, v, torch.tensor(SIGMAS), torch.tensor(SIGMAS_NEXT), sigma_max=SIGMA_MAX,
-                  generator=torch.Generator().manual_seed(0))
+    out = be.step(x, v, torch.tensor(SIGMAS), torch.tensor(SIGMAS_NEXT), sigma_max=SIGMA_MAX, generator=torch.Generator().manual_seed(0))
     sqrt_mdt = torch.tensor([math.sqrt(a - b) for a, b in zip(SIGMAS, SIGMAS_NEXT)], dtype=F64)
     close(out.std.flatten(), out.noise_scale.flatten().to(F64) * sqrt_mdt)
     assert out.std.shape == (3, 1, 1, 1)
@@ -170,10 +163,14 @@ def test_sde_log_prob_is_mean_over_non_batch_elements(shape):
     assert out.log_prob.shape == (3,)
     close(out.log_prob, ref_log_prob(out.prev_sample, rmean, rstd), tol=1e-4)
     # Mean, not sum: tiling the latent along channels leaves the log-prob unchanged.
-    tiled = be.log_prob(out.prev_sample.repeat(1, 2, *([1] * (len(shape) - 2))),
-                        x.repeat(1, 2, *([1] * (len(shape) - 2))),
-                        v.repeat(1, 2, *([1] * (len(shape) - 2))),
-                        sig, sig_next, sigma_max=SIGMA_MAX)
+    tiled = be.log_prob(
+        out.prev_sample.repeat(1, 2, *([1] * (len(shape) - 2))),
+        x.repeat(1, 2, *([1] * (len(shape) - 2))),
+        v.repeat(1, 2, *([1] * (len(shape) - 2))),
+        sig,
+        sig_next,
+        sigma_max=SIGMA_MAX,
+    )
     close(tiled.log_prob, out.log_prob, tol=1e-5)
 
 
@@ -183,8 +180,7 @@ def test_cps_log_prob_with_and_without_constants():
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
     rmean, rstd = ref_cps(x, v, SIGMAS, SIGMAS_NEXT, 0.8)
     full = CpsBackend(noise_level=0.8).step(x, v, sig, sig_next, sigma_max=SIGMA_MAX, noise=noise)
-    noconst = CpsBackend(noise_level=0.8, log_prob_no_const=True).step(
-        x, v, sig, sig_next, sigma_max=SIGMA_MAX, noise=noise)
+    noconst = CpsBackend(noise_level=0.8, log_prob_no_const=True).step(x, v, sig, sig_next, sigma_max=SIGMA_MAX, noise=noise)
     assert torch.equal(full.prev_sample, noconst.prev_sample)
     close(full.prev_sample, rmean + rstd.view(-1, 1, 1, 1) * noise.to(F64))
     close(full.log_prob, ref_log_prob(full.prev_sample, rmean, rstd), tol=1e-4)
@@ -212,15 +208,14 @@ def test_per_sample_sigma_matches_single_row_float_sigma():
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     batched = be.step(x, v, torch.tensor(SIGMAS), torch.tensor(SIGMAS_NEXT), sigma_max=SIGMA_MAX, noise=noise)
     for b in range(3):
-        row = be.step(x[b:b + 1], v[b:b + 1], SIGMAS[b], SIGMAS_NEXT[b], sigma_max=SIGMA_MAX, noise=noise[b:b + 1])
-        close(row.prev_sample, batched.prev_sample[b:b + 1], tol=1e-6)
-        close(row.log_prob, batched.log_prob[b:b + 1], tol=1e-6)
+        row = be.step(x[b : b + 1], v[b : b + 1], SIGMAS[b], SIGMAS_NEXT[b], sigma_max=SIGMA_MAX, noise=noise[b : b + 1])
+        close(row.prev_sample, batched.prev_sample[b : b + 1], tol=1e-6)
+        close(row.log_prob, batched.log_prob[b : b + 1], tol=1e-6)
 
 
 def test_low_precision_inputs_compute_in_fp32():
     x, v = latents((2, 2, 3, 3))
-    out = FlowSdeBackend().step(x.bfloat16(), v.bfloat16(), 0.5, 0.3, sigma_max=SIGMA_MAX,
-                                generator=torch.Generator().manual_seed(0))
+    out = FlowSdeBackend().step(x.bfloat16(), v.bfloat16(), 0.5, 0.3, sigma_max=SIGMA_MAX, generator=torch.Generator().manual_seed(0))
     for t in (out.prev_sample, out.mean, out.std, out.log_prob, out.noise):
         assert t.dtype == torch.float32
 
@@ -233,8 +228,7 @@ def test_stochastic_step_to_sigma_zero_raises(cls):
     with pytest.raises(ValueError, match="never an SDE step"):
         be.step(x, v, 0.2, 0.0, sigma_max=SIGMA_MAX)
     with pytest.raises(ValueError, match=r"step 9"):
-        be.log_prob(x, x, v, torch.tensor([0.3, 0.2]), torch.tensor([0.1, 0.0]),
-                    sigma_max=SIGMA_MAX, step_index=9)
+        be.log_prob(x, x, v, torch.tensor([0.3, 0.2]), torch.tensor([0.1, 0.0]), sigma_max=SIGMA_MAX, step_index=9)
     be.step(x, v, 0.2, 0.1, sigma_max=SIGMA_MAX)  # control: sigma' > 0 is fine
 
 

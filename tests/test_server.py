@@ -21,15 +21,22 @@ from safetensors.torch import load, save_file
 
 from miles_core import testing
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.http import EngineRequestError, HttpEngine
-from miles_core.engine.request import RolloutRequest
+from miles_core.engine.http import HttpEngine
 from miles_core.engine.server import create_app, start_server
 from miles_core.engine.wire import unpack_outputs
+from miles_core.errors import EngineRequestError
+from miles_core.request import RolloutRequest
 from miles_core.weights import iter_buckets, module_checksum, named_tensors_checksum
 
 ROLLOUT = RolloutRequest(
-    prompt="a red cube", negative_prompt="blurry", seed=7, num_inference_steps=3, num_outputs_per_prompt=2,
-    rollout_debug_mode=True, rollout_return_denoising_env=True, rollout_return_dit_trajectory=True,
+    prompt="a red cube",
+    negative_prompt="blurry",
+    seed=7,
+    num_inference_steps=3,
+    num_outputs_per_prompt=2,
+    rollout_debug_mode=True,
+    rollout_return_denoising_env=True,
+    rollout_return_dit_trajectory=True,
     request_id="req-1",
 )
 EVAL = RolloutRequest(prompt="a blue ball", seed=3, num_inference_steps=2, rollout=False, request_id="req-2")
@@ -56,8 +63,9 @@ class ServerThread:
         self.loop.close()
 
 
-def http(url: str, path: str, body: bytes | dict | None = None, *, method: str = "POST",
-         content_type: str = "application/json") -> tuple[int, bytes]:
+def http(
+    url: str, path: str, body: bytes | dict | None = None, *, method: str = "POST", content_type: str = "application/json"
+) -> tuple[int, bytes]:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=body, method=method, headers={"Content-Type": content_type})
@@ -231,9 +239,13 @@ def test_unexpected_errors_answer_500_and_the_server_stays_up(reference):
     try:
         wait_healthy(server.url)
         assert error_of(http(server.url, "/rollout/generate", SMALL.to_json())) == (500, "RuntimeError: boom")
-        status, message = error_of(http(server.url, "/update_weights_from_tensor", b"x" * 10000,
-                                        content_type="application/msgpack"))
-        assert status == 413 and message.startswith("body: larger than the server's limit")
+        status, message = error_of(http(server.url, "/update_weights_from_tensor", b"x" * 10000, content_type="application/msgpack"))
+        assert (status, message) == (
+            413,
+            "body: 10000 bytes is over this server's limit of 4096 bytes "
+            "(--update-weight-buffer-size raises it on the server, which takes bodies "
+            "up to twice it plus 16 MiB; a lower one on the client sends smaller buckets)",
+        )
         status, body = http(server.url, "/get_weights_checksum", {"module_names": ["transformer"]})
         assert status == 200 and json.loads(body) == {"transformer": module_checksum(reference.component("transformer"))}
     finally:
@@ -278,9 +290,7 @@ def test_weight_sync_checksums_and_buckets(served, reference, tiny_dir, tmp_path
             changed = (await client.weights_checksum(["transformer"]))["transformer"]
             assert changed != checksum and changed == named_tensors_checksum(nudged.items())
             # The generation follows the new weights.
-            assert not torch.equal(
-                (await client.generate(SMALL))[0].generated_output, reference.generate_sync(SMALL)[0].generated_output
-            )
+            assert not torch.equal((await client.generate(SMALL))[0].generated_output, reference.generate_sync(SMALL)[0].generated_output)
             # The trainer sends its weights back (generator of pairs, tiny buckets).
             await client.update_weights_from_tensors("transformer", iter(original.items()), buffer_size=1)
             assert await client.weights_checksum(["transformer"]) == {"transformer": checksum}
@@ -325,10 +335,14 @@ def test_tensor_update_errors_name_the_field(served, reference):
         ({"target_module": "transformer", "bucket": bucket, "lora_only": True}, "bucket: lora_only update holds"),
         ({"target_module": "vae", "bucket": bucket}, "target_module: unknown module 'vae'"),
         ({"target_module": "transformer", "bucket": b"junk"}, "bucket: not valid safetensors"),
-        ({"target_module": "transformer", "bucket": bucket_to_bytes({"nope.weight": torch.zeros(1)})},
-         "bucket: transformer has no parameter 'nope.weight'"),
-        ({"target_module": "transformer", "bucket": bucket_to_bytes({weight_name: torch.zeros(1, 1, 1)})},
-         f"bucket: transformer.{weight_name}: shape"),
+        (
+            {"target_module": "transformer", "bucket": bucket_to_bytes({"nope.weight": torch.zeros(1)})},
+            "bucket: transformer has no parameter 'nope.weight'",
+        ),
+        (
+            {"target_module": "transformer", "bucket": bucket_to_bytes({weight_name: torch.zeros(1, 1, 1)})},
+            f"bucket: transformer.{weight_name}: shape",
+        ),
         ({"target_module": "transformer", "bucket": bucket, "extra": 1}, "extra: unknown field"),
         ({"target_module": "transformer", "bucket": bucket, "lora_only": "yes"}, "lora_only: must be true or false"),
     ]
@@ -342,8 +356,7 @@ def test_tensor_update_errors_name_the_field(served, reference):
     async def lora_guard():
         async with HttpEngine(url) as client:
             with pytest.raises(ValueError, match="not a lora_A/lora_B"):
-                await client.update_weights_from_tensors("transformer", {weight_name: weight}, buffer_size=1 << 20,
-                                                         lora_only=True)
+                await client.update_weights_from_tensors("transformer", {weight_name: weight}, buffer_size=1 << 20, lora_only=True)
 
     run(lora_guard())
 
@@ -373,8 +386,8 @@ def test_http_engine_spreads_requests_over_urls(served, reference):
 def test_http_engine_bounds_in_flight_requests_per_url():
     from aiohttp import web
 
-    from miles_core.engine.request import RolloutOutput
     from miles_core.engine.wire import pack_outputs
+    from miles_core.request import RolloutOutput
 
     active = {"now": 0, "max": 0}
 
@@ -384,14 +397,19 @@ def test_http_engine_bounds_in_flight_requests_per_url():
         active["max"] = max(active["max"], active["now"])
         await asyncio.sleep(0.03)
         active["now"] -= 1
-        output = RolloutOutput(request_id=body["request_id"], prompt=body["prompt"], seed=body["seed"],
-                               generated_output=torch.full((3, 2, 2), float(body["seed"])))
+        output = RolloutOutput(
+            request_id=body["request_id"],
+            prompt=body["prompt"],
+            seed=body["seed"],
+            generated_output=torch.full((3, 2, 2), float(body["seed"])),
+        )
         return web.Response(body=pack_outputs([output]), content_type="application/msgpack")
 
     app = web.Application()
     app.router.add_post("/rollout/generate", generate)
     server = ServerThread(app)
     try:
+
         async def main():
             async with HttpEngine(server.url, max_concurrency=2) as client:
                 results = await asyncio.gather(*(client.generate(replace(SMALL, seed=s)) for s in range(6)))
@@ -441,11 +459,20 @@ def test_serve_engine_command(tiny_dir, reference, tmp_path):
 
 def test_serve_engine_rejects_an_unknown_family(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(tmp_path / "mystery")],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", "acme/mystery"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "no installed model family matches its name" in result.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(tmp_path / "mystery")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and f"--hf-checkpoint {tmp_path / 'mystery'}: no such directory" in missing.stderr
 
 
 @pytest.mark.exercises("--rollout-parser-num-workers")

@@ -19,17 +19,35 @@ import torch
 from miles_core.config.availability import hardware_notes
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.factory import create_engine
-from miles_core.engine.request import RolloutRequest
-from miles_core.engine.sglang import SERVE_MODULE, SglangEngine, SglangEngineError, check_python, serve_command, server_args
-from miles_core.training.run import RunError
+from miles_core.engine.sglang import SERVE_MODULE, SglangEngine, check_python, serve_command, server_args
+from miles_core.errors import RunError, SglangEngineError
+from miles_core.request import RolloutRequest
 
 
 def config_for(tiny_sd3, *extra):
-    return resolve_config([
-        "--hf-checkpoint", str(tiny_sd3), "--diffusion-model-family", "sd3", "--rollout-batch-size", "1",
-        "--n-samples-per-prompt", "2", "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2",
-        "--diffusion-height", "32", "--diffusion-width", "32", "--rollout-engine", "sglang", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--diffusion-model-family",
+            "sd3",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            "--rollout-engine",
+            "sglang",
+            *extra,
+        ]
+    )
 
 
 def script(path: Path, body: str) -> Path:
@@ -73,15 +91,43 @@ def fake_sglang(tmp_path):
 
 @pytest.mark.exercises("--sglang-python")
 def test_pass_through_args_lose_their_prefix_and_keep_their_values(tiny_sd3):
-    config = config_for(tiny_sd3, "--sglang-python", "/opt/sg/bin/python", "--sglang-attention-backend", "torch_sdpa",
-                        "--sglang-num-gpus", "1", "--sglang-dit-cpu-offload=false", "--sglang-enable-torch-compile")
+    config = config_for(
+        tiny_sd3,
+        "--sglang-python",
+        "/opt/sg/bin/python",
+        "--sglang-attention-backend",
+        "torch_sdpa",
+        "--sglang-num-gpus",
+        "1",
+        "--sglang-dit-cpu-offload=false",
+        "--sglang-enable-torch-compile",
+    )
     assert config.sglang_python == "/opt/sg/bin/python"
-    assert config.sglang_args == ["--sglang-attention-backend", "torch_sdpa", "--sglang-num-gpus", "1",
-                                  "--sglang-dit-cpu-offload=false", "--sglang-enable-torch-compile"]
+    assert config.sglang_args == [
+        "--sglang-attention-backend",
+        "torch_sdpa",
+        "--sglang-num-gpus",
+        "1",
+        "--sglang-dit-cpu-offload=false",
+        "--sglang-enable-torch-compile",
+    ]
     command = serve_command(config.sglang_python, config.hf_checkpoint, 31234, config.sglang_args)
     assert command == [
-        "/opt/sg/bin/python", "-m", SERVE_MODULE, "serve", "--model-path", str(tiny_sd3), "--host", "127.0.0.1",
-        "--port", "31234", "--attention-backend", "torch_sdpa", "--num-gpus", "1", "--dit-cpu-offload=false",
+        "/opt/sg/bin/python",
+        "-m",
+        SERVE_MODULE,
+        "serve",
+        "--model-path",
+        str(tiny_sd3),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31234",
+        "--attention-backend",
+        "torch_sdpa",
+        "--num-gpus",
+        "1",
+        "--dit-cpu-offload=false",
         "--enable-torch-compile",
     ]
     # --sglang-server-concurrency is ours (the client's cap), never passed through.
@@ -127,7 +173,7 @@ def test_sglang_python_that_is_not_executable(tmp_path):
 
 
 def test_sglang_python_that_cannot_import_sglang(tmp_path):
-    broken = script(tmp_path / "python", 'echo "ModuleNotFoundError: No module named \'sglang\'" >&2; exit 1')
+    broken = script(tmp_path / "python", "echo \"ModuleNotFoundError: No module named 'sglang'\" >&2; exit 1")
     with pytest.raises(SglangEngineError, match=r"cannot import sglang.multimodal_gen: ModuleNotFoundError: No module named 'sglang'$"):
         check_python(str(broken))
     real_without_sglang = sys.executable  # the project's Python has no sglang
@@ -159,13 +205,23 @@ def test_server_that_never_gets_healthy_times_out(tmp_path, tiny_sd3):
 
 @pytest.mark.exercises("--rollout-num-engines", "--sglang-python")
 def test_launches_servers_generates_syncs_from_disk_and_stops(tiny_sd3, tmp_path, fake_sglang):
+    from miles_core.errors import WeightSyncError
     from miles_core.model_loading import load_family
-    from miles_core.training.weight_sync import WeightSyncError, sync_to_engine
+    from miles_core.training.weight_sync import sync_to_engine
 
     python, record = fake_sglang
     out = tmp_path / "run"
-    config = config_for(tiny_sd3, "--sglang-python", str(python), "--rollout-num-engines", "2",
-                        "--sglang-attention-backend", "torch_sdpa", "--output-dir", str(out))
+    config = config_for(
+        tiny_sd3,
+        "--sglang-python",
+        str(python),
+        "--rollout-num-engines",
+        "2",
+        "--sglang-attention-backend",
+        "torch_sdpa",
+        "--output-dir",
+        str(out),
+    )
     engine = create_engine(config)
     try:
         assert isinstance(engine, SglangEngine) and len(set(engine.urls)) == 2
@@ -174,8 +230,7 @@ def test_launches_servers_generates_syncs_from_disk_and_stops(tiny_sd3, tmp_path
         for argv in argvs:
             assert argv[:3] == ["serve", "--model-path", str(tiny_sd3)]
             assert argv[-2:] == ["--attention-backend", "torch_sdpa"]
-        request = RolloutRequest(prompt="a red cube", seed=7, width=32, height=32, num_inference_steps=3,
-                                 num_outputs_per_prompt=2)
+        request = RolloutRequest(prompt="a red cube", seed=7, width=32, height=32, num_inference_steps=3, num_outputs_per_prompt=2)
 
         async def go():
             first = await engine.generate(request)
@@ -215,15 +270,25 @@ def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
     """sglang-diffusion 0.5.23 labels every output with the request seed, sends no
     trajectory step_indices, null image_kwargs / guidance and batched conditioning."""
     from miles_core.engine.http import HttpEngine
-    from miles_core.engine.request import RolloutOutput
+    from miles_core.request import RolloutOutput
 
     def record():
         return RolloutOutput(
-            request_id="r", prompt="p", seed=5, generated_output=torch.zeros(3, 8, 8),
-            dit_trajectory={"latents": torch.zeros(2, 4, 1, 1), "timesteps": torch.tensor([602.0, 9.0]),
-                            "sigmas": torch.tensor([1.0, 0.602, 0.3, 0.009, 0.0])},
-            denoising_env={"image_kwargs": None, "guidance": None,
-                           "pos_cond_kwargs": {"pooled_projections": torch.ones(1, 32)}, "neg_cond_kwargs": None},
+            request_id="r",
+            prompt="p",
+            seed=5,
+            generated_output=torch.zeros(3, 8, 8),
+            dit_trajectory={
+                "latents": torch.zeros(2, 4, 1, 1),
+                "timesteps": torch.tensor([602.0, 9.0]),
+                "sigmas": torch.tensor([1.0, 0.602, 0.3, 0.009, 0.0]),
+            },
+            denoising_env={
+                "image_kwargs": None,
+                "guidance": None,
+                "pos_cond_kwargs": {"pooled_projections": torch.ones(1, 32)},
+                "neg_cond_kwargs": None,
+            },
         )
 
     async def fake_generate(self, request):
@@ -231,8 +296,16 @@ def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
 
     monkeypatch.setattr(HttpEngine, "generate", fake_generate)
     engine = SglangEngine(["http://127.0.0.1:1"], [], [], tmp_path)
-    request = RolloutRequest(prompt="p", seed=5, width=32, height=48, num_inference_steps=4, num_outputs_per_prompt=2,
-                             guidance_scale=3.5, rollout_return_step_indices=(3, 1))
+    request = RolloutRequest(
+        prompt="p",
+        seed=5,
+        width=32,
+        height=48,
+        num_inference_steps=4,
+        num_outputs_per_prompt=2,
+        guidance_scale=3.5,
+        rollout_return_step_indices=(3, 1),
+    )
     outputs = asyncio.run(engine.generate(request))
     assert [o.seed for o in outputs] == [5, 6]
     assert outputs[0].dit_trajectory["step_indices"].tolist() == [1, 3]
@@ -250,24 +323,24 @@ def test_sglang_timesteps_become_the_loop_grid():
     """sglang-diffusion records one timestep per returned latent (steps 1, 2, 3 and the
     final 4 here); the trainer reads step k's at index k of the [T] grid. Reading the
     returned rows by step index put step 1 at step 2's timestep (the lane's drift)."""
-    from miles_core.engine.sglang import _timestep_grid
+    from miles_core.engine.sglang import timestep_grid
 
     sigmas = torch.tensor([1.0, 0.8577, 0.6022, 0.00893, 0.0])
     grid = sigmas[:4] * 1000
     returned = torch.tensor([857.7, 602.2, 8.93, 0.0])
-    out = _timestep_grid(returned, sigmas, [1, 2, 3, 4], 4)
+    out = timestep_grid(returned, sigmas, [1, 2, 3, 4], 4)
     assert out.shape == (4,) and out[1:].tolist() == returned[:3].tolist()  # the server's values, where it sent them
     assert torch.allclose(out, grid)
     # A window that returned steps 0, 1, 2 and the final latent.
-    assert torch.allclose(_timestep_grid(torch.tensor([1000.0, 857.7, 602.2, 0.0]), sigmas, [0, 1, 2, 4], 4), grid)
+    assert torch.allclose(timestep_grid(torch.tensor([1000.0, 857.7, 602.2, 0.0]), sigmas, [0, 1, 2, 4], 4), grid)
     # Only the final latent (ode_and_return_last): the flow-matching scale fills the grid.
-    assert torch.allclose(_timestep_grid(torch.tensor([0.0]), sigmas, [4], 4), grid)
+    assert torch.allclose(timestep_grid(torch.tensor([0.0]), sigmas, [4], 4), grid)
     # A family on the sigma scale (timestep = sigma) keeps its own scale.
-    assert torch.allclose(_timestep_grid(torch.tensor([0.8577, 0.0]), sigmas, [1, 4], 4), sigmas[:4])
+    assert torch.allclose(timestep_grid(torch.tensor([0.8577, 0.0]), sigmas, [1, 4], 4), sigmas[:4])
     with pytest.raises(SglangEngineError, match="not a fixed multiple of its sigmas"):
-        _timestep_grid(torch.tensor([857.7, 300.0, 0.0]), sigmas, [1, 2, 4], 4)
+        timestep_grid(torch.tensor([857.7, 300.0, 0.0]), sigmas, [1, 2, 4], 4)
     with pytest.raises(SglangEngineError, match="returned 3 trajectory timesteps for 4 latents"):
-        _timestep_grid(torch.tensor([857.7, 602.2, 0.0]), sigmas, [1, 2, 3, 4], 4)
+        timestep_grid(torch.tensor([857.7, 602.2, 0.0]), sigmas, [1, 2, 3, 4], 4)
 
 
 # -- fault tolerance and the request timeout ---------------------------------------------------
@@ -281,7 +354,7 @@ def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
     import miles_core.training.weight_sync as weight_sync
     from miles_core.engine.health import HEALTHY
     from miles_core.engine.http import HttpEngine
-    from tests.test_fault_tolerance import _poll, recording_sync, restart_after_first_sync
+    from tests.test_fault_tolerance import poll, recording_sync, restart_after_first_sync
     from tests.tiny_runs import run_metrics, tiny_run_args
 
     seen: dict = {"engines": [], "posts": [], "syncs": [], "killed_pid": None, "generates": 0}
@@ -298,7 +371,7 @@ def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
         if not seen["engines"]:
             seen["engines"].append(self)
         if kill and seen["generates"] > 4:  # rollout 1 waits for the restarted server
-            await _poll(lambda: self.supervisor.state[0] == HEALTHY, "sglang server 0 restarted")
+            await poll(lambda: self.supervisor.state[0] == HEALTHY, "sglang server 0 restarted")
         outputs = await original_generate(self, request)
         if kill and seen["killed_pid"] is None and self.in_flight[0]:
             process = self.processes[0]
@@ -312,20 +385,32 @@ def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
         patch.setattr(SglangEngine, "generate", generate)
         # The new server comes up only after rollout 0 trained and synced, so its re-sync
         # must send the trained weights.
-        patch.setattr(SglangEngine, "restart_server",
-                      restart_after_first_sync(SglangEngine.restart_server, seen, "_stopping"))
+        patch.setattr(SglangEngine, "restart_server", restart_after_first_sync(SglangEngine.restart_server, seen, "_stopping"))
         patch.setattr(weight_sync, "sync_to_engine", recording_sync(seen))
-        args = [*tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1), "--num-rollout", "2",
-                "--lr", "3e-2", "--rollout-engine", "sglang", "--sglang-python", str(python),
-                "--rollout-num-engines", "2", "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
-                "--save-debug-rollout-data", str(out / "rollouts" / "{}.msgpack")]
+        args = [
+            *tiny_run_args(tiny_sd3, prompts, out, batch=2, n=4, steps=3, sde_steps=1),
+            "--num-rollout",
+            "2",
+            "--lr",
+            "3e-2",
+            "--rollout-engine",
+            "sglang",
+            "--sglang-python",
+            str(python),
+            "--rollout-num-engines",
+            "2",
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "0.5",
+            "--save-debug-rollout-data",
+            str(out / "rollouts" / "{}.msgpack"),
+        ]
         seen["records"] = run_metrics(args, timeout=400)
     return seen
 
 
 @pytest.mark.exercises("--use-fault-tolerance")
-def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_unchanged(
-        tiny_sd3, prompts, tmp_path, fake_sglang):
+def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_unchanged(tiny_sd3, prompts, tmp_path, fake_sglang):
     from tests.test_fault_tolerance import assert_the_kill_changed_nothing
 
     python, record = fake_sglang
@@ -350,7 +435,7 @@ def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_u
     old_argv = json.loads(Path(f"{record}.{disturbed['killed_pid']}").read_text())
     new_argv = json.loads(Path(f"{record}.{new_pid}").read_text())
     port = old_argv.index("--port") + 1
-    assert new_argv[:port] + new_argv[port + 1:] == old_argv[:port] + old_argv[port + 1:]
+    assert new_argv[:port] + new_argv[port + 1 :] == old_argv[:port] + old_argv[port + 1 :]
     assert new_argv[port] == new_url.rsplit(":", 1)[1]
     assert all(p.poll() is not None for p in engine.processes)  # stopped with the run
 
@@ -370,19 +455,19 @@ def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_u
     # The main engine's sync folders are its own (three syncs), untouched by the re-sync.
     assert sorted(p.name for p in weight_sync.iterdir()) == ["resync-00001", "sync-00000", "sync-00001", "sync-00002"]
     # Once dead, the killed server got no weight update (syncs go to healthy servers).
-    assert not [p for p in posts[disturbed["killed_at"]:] if p[1] == disturbed["killed_url"] and "weights" in p[0]]
-    assert all(len(s["urls"]) == 2 for s in calm["syncs"]) and not (tmp_path / "calm" / "sglang" / "logs" /
-                                                                    "engine-0.restart1.log").exists()
+    assert not [p for p in posts[disturbed["killed_at"] :] if p[1] == disturbed["killed_url"] and "weights" in p[0]]
+    assert (
+        all(len(s["urls"]) == 2 for s in calm["syncs"]) and not (tmp_path / "calm" / "sglang" / "logs" / "engine-0.restart1.log").exists()
+    )
 
 
 @pytest.mark.exercises("--miles-router-timeout")
 def test_the_router_timeout_bounds_a_request_to_an_sglang_server(tiny_sd3, tmp_path, fake_sglang):
-    from miles_core.engine.http import EngineRequestError
+    from miles_core.errors import EngineRequestError
     from tests.test_fault_tolerance import stopped
 
     python, _ = fake_sglang
-    config = config_for(tiny_sd3, "--sglang-python", str(python), "--miles-router-timeout", "1",
-                        "--output-dir", str(tmp_path / "run"))
+    config = config_for(tiny_sd3, "--sglang-python", str(python), "--miles-router-timeout", "1", "--output-dir", str(tmp_path / "run"))
     engine = create_engine(config)
     try:
         assert isinstance(engine, SglangEngine) and engine.request_timeout == 1.0 and engine.supervisor is None
@@ -410,8 +495,7 @@ def test_restarts_are_refused_once_stopping_and_a_failed_one_names_its_log(tmp_p
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True)
     process = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    engine = SglangEngine(["http://127.0.0.1:1"], [process], [work / "logs" / "engine-0.log"], work,
-                          fault_tolerance=FaultTolerance())
+    engine = SglangEngine(["http://127.0.0.1:1"], [process], [work / "logs" / "engine-0.log"], work, fault_tolerance=FaultTolerance())
     try:
         # Servers the engine started are restarted by it; servers it did not start are not.
         assert engine.supervisor.restart == engine._restart
@@ -420,16 +504,22 @@ def test_restarts_are_refused_once_stopping_and_a_failed_one_names_its_log(tmp_p
             engine.restart_server(0)
         dying = script(tmp_path / "python", 'case "$2" in sglang.*) echo "boom: no GPU" ; exit 3 ;; esac; exit 0')
         engine.python, engine.model_path, engine.environment = str(dying), str(tiny_sd3), dict(os.environ)
-        with pytest.raises(SglangEngineError, match=r"^sglang-diffusion server 0 exited with status 3 before it was "
-                                                    r"healthy; see .*engine-0\.restart1\.log$") as info:
+        with pytest.raises(
+            SglangEngineError,
+            match=r"^sglang-diffusion server 0 exited with status 3 before it was "
+            r"healthy; see .*engine-0\.restart1\.log$",
+        ) as info:
             engine.restart_server(0, timeout=30)
         assert "\n" not in str(info.value) and process.returncode == -signal.SIGKILL  # the old one killed first
         assert "boom: no GPU" in (work / "logs" / "engine-0.restart1.log").read_text()
         assert engine.log_paths[0] == work / "logs" / "engine-0.restart1.log" and engine.processes[0] is not process
     finally:
         engine.stop_servers()
-    with pytest.raises(SglangEngineError, match=r"^sglang-diffusion server 0 \(http://127.0.0.1:1\): not restarted, "
-                                                r"the servers are stopping$"):
+    with pytest.raises(
+        SglangEngineError,
+        match=r"^sglang-diffusion server 0 \(http://127.0.0.1:1\): not restarted, "
+        r"the servers are stopping$",
+    ):
         engine.restart_server(0)
     assert not (work / "logs" / "engine-0.restart2.log").exists()
 

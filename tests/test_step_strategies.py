@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError
 from miles_core.plugin_manager import PluginHost
 from miles_core.step_strategies import (
     StepContext,
@@ -40,9 +40,7 @@ def assert_pairs_returned(selection, num_steps):
 
 def test_sde_window_known_seed():
     assert sde_window(ctx(seed=7)) == StepSelection(sde_steps=(2, 3, 4), return_steps=(2, 3, 4, 5, 10))
-    assert sde_window(ctx(seed=7, num_sde_steps=2, window_range=(3, 8))) == sde_window(
-        ctx(seed=7, num_sde_steps=2, window_range=(3, 8))
-    )
+    assert sde_window(ctx(seed=7, num_sde_steps=2, window_range=(3, 8))) == sde_window(ctx(seed=7, num_sde_steps=2, window_range=(3, 8)))
 
 
 @pytest.mark.parametrize("window_range,n", [(None, 3), ((2, 6), 2), ((0, 9), 9), ((4, 5), 1), (None, 1)])
@@ -88,24 +86,33 @@ def test_last_step_never_selected_across_seeds():
         for num_steps in (2, 3, 10):
             selection = sde_window(ctx(seed=seed, num_steps=num_steps, num_sde_steps=1))
             assert num_steps - 1 not in selection.sde_steps
-            assert num_steps - 1 not in epoch_global_random_choice(
-                ctx(num_steps=num_steps, num_sde_steps=1, candidate_steps=tuple(range(num_steps - 1)), epoch=seed)
-            ).sde_steps
+            assert (
+                num_steps - 1
+                not in epoch_global_random_choice(
+                    ctx(num_steps=num_steps, num_sde_steps=1, candidate_steps=tuple(range(num_steps - 1)), epoch=seed)
+                ).sde_steps
+            )
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"num_sde_steps": 4, "window_range": (2, 5)},
-         "sde_window: --diffusion-num-sde-steps 4 does not fit in the window [2, 5)"),
-        ({"num_sde_steps": 10},
-         "sde_window: --diffusion-num-sde-steps 10 does not fit in the window [0, 9)"),
-        ({"window_range": (0, 10)},
-         ("sde_window: window [0, 10) must satisfy 0 <= lo < hi <= 9 "
-         "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)")),
-        ({"window_range": (5, 5)},
-         ("sde_window: window [5, 5) must satisfy 0 <= lo < hi <= 9 "
-         "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)")),
+        ({"num_sde_steps": 4, "window_range": (2, 5)}, "sde_window: --diffusion-num-sde-steps 4 does not fit in the window [2, 5)"),
+        ({"num_sde_steps": 10}, "sde_window: --diffusion-num-sde-steps 10 does not fit in the window [0, 9)"),
+        (
+            {"window_range": (0, 10)},
+            (
+                "sde_window: window [0, 10) must satisfy 0 <= lo < hi <= 9 "
+                "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)"
+            ),
+        ),
+        (
+            {"window_range": (5, 5)},
+            (
+                "sde_window: window [5, 5) must satisfy 0 <= lo < hi <= 9 "
+                "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)"
+            ),
+        ),
         ({"num_sde_steps": -1}, "sde_window: --diffusion-num-sde-steps -1 must not be negative"),
     ],
 )
@@ -120,9 +127,7 @@ def test_sde_window_impossible_requests(overrides, message):
 
 def test_epoch_choice_known_values():
     c = {"num_sde_steps": 2, "candidate_steps": (1, 3, 5, 7), "rollout_seed": 42}
-    assert epoch_global_random_choice(ctx(**c, epoch=0)) == StepSelection(
-        sde_steps=(3, 5), return_steps=(3, 4, 5, 6, 10)
-    )
+    assert epoch_global_random_choice(ctx(**c, epoch=0)) == StepSelection(sde_steps=(3, 5), return_steps=(3, 4, 5, 6, 10))
     assert epoch_global_random_choice(ctx(**c, epoch=1)).sde_steps == (1, 5)
 
 
@@ -143,8 +148,7 @@ def test_epoch_choice_changes_with_epoch_and_rollout_seed():
     assert len(by_epoch) > 1  # control: the epoch matters
     by_seed = {epoch_global_random_choice(ctx(**c, rollout_seed=s)).sde_steps for s in range(20)}
     assert len(by_seed) > 1
-    assert all(epoch_global_random_choice(ctx(**c, epoch=e)) == epoch_global_random_choice(ctx(**c, epoch=e))
-               for e in range(20))
+    assert all(epoch_global_random_choice(ctx(**c, epoch=e)) == epoch_global_random_choice(ctx(**c, epoch=e)) for e in range(20))
 
 
 def test_epoch_choice_all_candidates_and_zero():
@@ -155,15 +159,16 @@ def test_epoch_choice_all_candidates_and_zero():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"candidate_steps": None},
-         "epoch_global_random_choice requires --diffusion-sde-candidate-steps (e.g. 1,2,3)"),
-        ({"num_sde_steps": 3, "candidate_steps": (1, 2)},
-         "epoch_global_random_choice: --diffusion-num-sde-steps 3 exceeds the 2 --diffusion-sde-candidate-steps"),
-        ({"candidate_steps": (1, 9, 12)},
-         ("epoch_global_random_choice: --diffusion-sde-candidate-steps [9, 12] outside [0, 9) "
-         "(the last step is never an SDE step)")),
-        ({"candidate_steps": (1, 2, 2, 3)},
-         "epoch_global_random_choice: --diffusion-sde-candidate-steps [1, 2, 2, 3] repeats a step"),
+        ({"candidate_steps": None}, "epoch_global_random_choice requires --diffusion-sde-candidate-steps (e.g. 1,2,3)"),
+        (
+            {"num_sde_steps": 3, "candidate_steps": (1, 2)},
+            "epoch_global_random_choice: --diffusion-num-sde-steps 3 exceeds the 2 --diffusion-sde-candidate-steps",
+        ),
+        (
+            {"candidate_steps": (1, 9, 12)},
+            ("epoch_global_random_choice: --diffusion-sde-candidate-steps [9, 12] outside [0, 9) (the last step is never an SDE step)"),
+        ),
+        ({"candidate_steps": (1, 2, 2, 3)}, "epoch_global_random_choice: --diffusion-sde-candidate-steps [1, 2, 2, 3] repeats a step"),
     ],
 )
 def test_epoch_choice_impossible_requests(overrides, message):
@@ -182,8 +187,11 @@ def test_ode_and_return_last():
 
 def test_select_steps_reads_the_flags():
     config = SimpleNamespace(
-        diffusion_num_steps=8, diffusion_num_sde_steps=2, diffusion_sde_window_range=[1, 6],
-        diffusion_sde_candidate_steps=[2, 4, 6], rollout_seed=5,
+        diffusion_num_steps=8,
+        diffusion_num_sde_steps=2,
+        diffusion_sde_window_range=[1, 6],
+        diffusion_sde_candidate_steps=[2, 4, 6],
+        rollout_seed=5,
     )
     seen = []
 
@@ -192,8 +200,9 @@ def test_select_steps_reads_the_flags():
         return ode_and_return_last(c)
 
     assert select_steps(config, seed=123, epoch=4, strategy=spy) == StepSelection((), (8,))
-    assert seen == [StepContext(num_steps=8, num_sde_steps=2, window_range=(1, 6), candidate_steps=(2, 4, 6),
-                                seed=123, epoch=4, rollout_seed=5)]
+    assert seen == [
+        StepContext(num_steps=8, num_sde_steps=2, window_range=(1, 6), candidate_steps=(2, 4, 6), seed=123, epoch=4, rollout_seed=5)
+    ]
 
 
 @pytest.mark.exercises("--diffusion-sde-window-range", "--diffusion-num-sde-steps")
@@ -210,10 +219,16 @@ def test_select_steps_on_a_resolved_config():
 @pytest.mark.parametrize(
     "sde,ret,message",
     [
-        ((8,), (8, 9), ("StepSelection.sde_steps: step 8 is the last step (T = 9, the largest of return_steps; "
-                       "sigma' = 0) and is never an SDE step")),
-        ((9,), (9, 10), ("StepSelection.sde_steps: step 9 is the last step (T = 10, the largest of return_steps; "
-                        "sigma' = 0) and is never an SDE step")),
+        (
+            (8,),
+            (8, 9),
+            ("StepSelection.sde_steps: step 8 is the last step (T = 9, the largest of return_steps; sigma' = 0) and is never an SDE step"),
+        ),
+        (
+            (9,),
+            (9, 10),
+            ("StepSelection.sde_steps: step 9 is the last step (T = 10, the largest of return_steps; sigma' = 0) and is never an SDE step"),
+        ),
         ((3, 2), (2, 3, 4, 10), "StepSelection.sde_steps [3, 2] must be sorted and without repeats"),
         ((2, 2), (2, 3, 10), "StepSelection.sde_steps [2, 2] must be sorted and without repeats"),
         ((), (10, 4), "StepSelection.return_steps [10, 4] must be sorted and without repeats"),
@@ -267,32 +282,51 @@ def config_errors(*extra):
 @pytest.mark.parametrize(
     "extra,expected",
     [
-        (["--diffusion-sde-window-range", "0,10"],
-         ("--diffusion-sde-window-range 0,10: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 "
-         "(the last step is never an SDE step)")),
-        (["--diffusion-num-steps", "6", "--diffusion-sde-window-range", "2,6"],
-         ("--diffusion-sde-window-range 2,6: need 0 <= lo < hi <= --diffusion-num-steps 6 - 1 "
-         "(the last step is never an SDE step)")),
-        (["--diffusion-sde-window-range", "2,4", "--diffusion-num-sde-steps", "3"],
-         "--diffusion-sde-window-range 2,4: the window holds 2 step(s), fewer than --diffusion-num-sde-steps 3"),
-        (["--diffusion-num-sde-steps", "10"],
-         "--diffusion-num-sde-steps 10 exceeds --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
-        (["--diffusion-sde-candidate-steps", "1,9,10"],
-         ("--diffusion-sde-candidate-steps 9,10: need 0 <= step < --diffusion-num-steps 10 - 1 "
-         "(the last step is never an SDE step)")),
-        (["--diffusion-sde-candidate-steps", "1,2", "--diffusion-num-sde-steps", "3"],
-         "--diffusion-sde-candidate-steps 1,2: 2 step(s), fewer than --diffusion-num-sde-steps 3"),
-        (["--diffusion-sde-candidate-steps", "1,2,1"],
-         "--diffusion-sde-candidate-steps 1,2,1: a step is repeated"),
+        (
+            ["--diffusion-sde-window-range", "0,10"],
+            ("--diffusion-sde-window-range 0,10: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
+        ),
+        (
+            ["--diffusion-num-steps", "6", "--diffusion-sde-window-range", "2,6"],
+            ("--diffusion-sde-window-range 2,6: need 0 <= lo < hi <= --diffusion-num-steps 6 - 1 (the last step is never an SDE step)"),
+        ),
+        (
+            ["--diffusion-sde-window-range", "2,4", "--diffusion-num-sde-steps", "3"],
+            "--diffusion-sde-window-range 2,4: the window holds 2 step(s), fewer than --diffusion-num-sde-steps 3",
+        ),
+        (
+            ["--diffusion-num-sde-steps", "10"],
+            "--diffusion-num-sde-steps 10 exceeds --diffusion-num-steps 10 - 1 (the last step is never an SDE step)",
+        ),
+        (
+            ["--diffusion-sde-candidate-steps", "1,9,10"],
+            ("--diffusion-sde-candidate-steps 9,10: need 0 <= step < --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
+        ),
+        (
+            ["--diffusion-sde-candidate-steps", "1,2", "--diffusion-num-sde-steps", "3"],
+            "--diffusion-sde-candidate-steps 1,2: 2 step(s), fewer than --diffusion-num-sde-steps 3",
+        ),
+        (["--diffusion-sde-candidate-steps", "1,2,1"], "--diffusion-sde-candidate-steps 1,2,1: a step is repeated"),
     ],
 )
-@pytest.mark.exercises("--diffusion-num-steps", "--diffusion-num-sde-steps", "--diffusion-sde-window-range", "--diffusion-sde-candidate-steps")
+@pytest.mark.exercises(
+    "--diffusion-num-steps", "--diffusion-num-sde-steps", "--diffusion-sde-window-range", "--diffusion-sde-candidate-steps"
+)
 def test_config_step_rules(extra, expected):
     assert config_errors(*extra) == [expected]
 
 
 def test_config_accepts_valid_step_flags():
-    config = resolve_config([*BASE, "--diffusion-num-sde-steps", "9", "--diffusion-sde-window-range", "0,9",
-                             "--diffusion-sde-candidate-steps", "0,1,2,3,4,5,6,7,8"])
+    config = resolve_config(
+        [
+            *BASE,
+            "--diffusion-num-sde-steps",
+            "9",
+            "--diffusion-sde-window-range",
+            "0,9",
+            "--diffusion-sde-candidate-steps",
+            "0,1,2,3,4,5,6,7,8",
+        ]
+    )
     assert config.diffusion_sde_window_range == (0, 9)
     resolve_config([*BASE, "--diffusion-num-sde-steps", "2", "--diffusion-sde-candidate-steps", "3,1"])

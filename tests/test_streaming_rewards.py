@@ -16,12 +16,12 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.errors import RewardError
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.hooks import build_data_source
 from miles_core.training.metrics_logging import Progress
-from miles_core.training.rewards import RewardError
-from miles_core.training.run import StreamingScores, _RolloutSource
+from miles_core.training.rollout_scoring import RolloutSource, StreamingScores
 from tests.tiny_runs import run_metrics, tiny_run_args
 
 HERE = "tests.test_streaming_rewards"
@@ -86,8 +86,13 @@ class DelayedEngine(RolloutEngine):
         await asyncio.sleep(self.delay)
         self.ends.append(time.perf_counter())
         return [
-            RolloutOutput(request_id=f"r{request.seed}", prompt=request.prompt, seed=request.seed + i,
-                          generated_output=torch.zeros(3, 8, 8), rollout_log_probs=torch.zeros(2))
+            RolloutOutput(
+                request_id=f"r{request.seed}",
+                prompt=request.prompt,
+                seed=request.seed + i,
+                generated_output=torch.zeros(3, 8, 8),
+                rollout_log_probs=torch.zeros(2),
+            )
             for i in range(request.num_outputs_per_prompt)
         ]
 
@@ -95,9 +100,22 @@ class DelayedEngine(RolloutEngine):
         return {}
 
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2", "--diffusion-num-steps", "3",
-        "--diffusion-num-sde-steps", "2", "--sglang-server-concurrency", "1"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-microgroup-size",
+    "2",
+    "--diffusion-num-steps",
+    "3",
+    "--diffusion-num-sde-steps",
+    "2",
+    "--sglang-server-concurrency",
+    "1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +130,7 @@ def rollout(*extra: str, engine: DelayedEngine | None = None):
     config = resolve_config([*BASE, *extra])
     engine = engine or DelayedEngine()
     prompts = [PromptRecord("a red cube", {}, 0), PromptRecord("a blue ball", {}, 1)]
-    source = _RolloutSource(config, engine, build_data_source(config, prompts), Progress(enabled=False), 1)
+    source = RolloutSource(config, engine, build_data_source(config, prompts), Progress(enabled=False), 1)
 
     async def go():
         samples = await source.generate(0)
@@ -149,8 +167,7 @@ def test_each_microgroup_is_scored_while_the_rest_generates():
 
 @pytest.mark.exercises("--rollout-function-path")
 def test_samples_of_a_rollout_function_are_scored_all_at_once():
-    engine, samples, rewards, _, _ = rollout("--custom-rm-path", f"{HERE}.slow_rm",
-                                             "--rollout-function-path", f"{HERE}.whole_rollout")
+    engine, samples, rewards, _, _ = rollout("--custom-rm-path", f"{HERE}.slow_rm", "--rollout-function-path", f"{HERE}.whole_rollout")
     assert len(engine.ends) == 4 and len(samples) == 8
     assert [len(seeds) for _, seeds in SCORE_CALLS] == [8]
     assert SCORE_CALLS[0][0] >= engine.ends[-1]
@@ -179,8 +196,7 @@ class FailingEngine(DelayedEngine):
 def test_an_engine_error_cancels_the_scoring_in_flight():
     config = resolve_config([*BASE, "--custom-rm-path", f"{HERE}.slow_rm"])
     prompts = [PromptRecord("a red cube", {}, 0), PromptRecord("a blue ball", {}, 1)]
-    source = _RolloutSource(config, FailingEngine(delay=0.01), build_data_source(config, prompts),
-                            Progress(enabled=False), 1)
+    source = RolloutSource(config, FailingEngine(delay=0.01), build_data_source(config, prompts), Progress(enabled=False), 1)
 
     async def go():
         with pytest.raises(RuntimeError, match="engine down"):
@@ -251,9 +267,18 @@ def test_the_embedded_engine_generates_while_a_threaded_reward_scores(tiny_sd3, 
     scoring's own time."""
     args = tiny_run_args(tiny_sd3, prompts, tmp_path / "s", n=4, steps=2, sde_steps=1)
     at = args.index("--rm-type")
-    del args[at:at + 2]  # the reward is the custom one
-    args += ["--rollout-microgroup-size", "1", "--custom-rm-path", f"{HERE}.threaded_rm",
-             "--custom-generate-function-path", f"{HERE}.timed_generate", "--num-rollout", "1", "--debug-rollout-only"]
+    del args[at : at + 2]  # the reward is the custom one
+    args += [
+        "--rollout-microgroup-size",
+        "1",
+        "--custom-rm-path",
+        f"{HERE}.threaded_rm",
+        "--custom-generate-function-path",
+        f"{HERE}.timed_generate",
+        "--num-rollout",
+        "1",
+        "--debug-rollout-only",
+    ]
     streamed = run_metrics(args)[0]
     assert len(GENERATED) == 8 and len(SCORE_CALLS) == 8
     last_end = max(end for _, end in GENERATED)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from miles_sd3.family import SD3Family
 
 from miles_core.config.resolve import resolve_config
 from miles_core.family import GenerationParams
@@ -20,6 +19,7 @@ from miles_core.training.advantages import advantages_from_config
 from miles_core.training.data_parallel import shard_for_rank
 from miles_core.training.pairs import TrainPair, build_pairs, collate, micro_batches, on_device
 from miles_core.training.trainer import Trainer
+from miles_sd3.family import SD3Family
 
 PROBE = ("--debug-skip-optimizer-step", "--diffusion-debug-mode")
 TILE = ("--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1")
@@ -27,17 +27,40 @@ TILE = ("--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1")
 
 
 def make_config(checkpoint, *extra: str) -> Any:
-    return resolve_config([
-        "--hf-checkpoint", str(checkpoint), "--diffusion-model-family", "sd3", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2", "--diffusion-num-steps", "4",
-        "--diffusion-num-sde-steps", "3", "--diffusion-height", "32", "--diffusion-width", "32", *extra,
-    ])
+    return resolve_config(
+        [
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--diffusion-model-family",
+            "sd3",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-microgroup-size",
+            "2",
+            "--diffusion-num-steps",
+            "4",
+            "--diffusion-num-sde-steps",
+            "3",
+            "--diffusion-height",
+            "32",
+            "--diffusion-width",
+            "32",
+            *extra,
+        ]
+    )
 
 
 def make_trainer(family, config, **kwargs) -> Trainer:
     host = get_host()
-    return Trainer(family, config, host.registries.sde_backend.get(config.diffusion_sde_type).load(),
-                   host.registries.loss.get(config.loss_type).load(), **kwargs)
+    return Trainer(
+        family,
+        config,
+        host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+        host.registries.loss.get(config.loss_type).load(),
+        **kwargs,
+    )
 
 
 def generate(family, checkpoint) -> tuple[list, torch.Tensor]:
@@ -48,10 +71,15 @@ def generate(family, checkpoint) -> tuple[list, torch.Tensor]:
     from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
 
     config = make_config(checkpoint, "--diffusion-debug-mode")
-    groups = asyncio.run(generate_rollout(
-        EmbeddedEngine(family), RolloutSettings.from_config(config), 0,
-        [PromptRecord("a red cube"), PromptRecord("a blue ball")], strategy_from_config(config),
-    ))
+    groups = asyncio.run(
+        generate_rollout(
+            EmbeddedEngine(family),
+            RolloutSettings.from_config(config),
+            0,
+            [PromptRecord("a red cube"), PromptRecord("a blue ball")],
+            strategy_from_config(config),
+        )
+    )
     samples = [s for group in groups for s in group]
     for i, sample in enumerate(samples):
         sample.reward = float(i % 3)
@@ -112,8 +140,14 @@ class TwoExpertSD3(SD3Family):
 
 @pytest.fixture(scope="module")
 def expert_rollout(tiny_sd3):
+    """The family, the alignment probe's trainer on it and a rollout. The trainer comes
+    first, as in a run: it sets which parameters require a gradient (``transformer``
+    trains, ``transformer_2`` is frozen), and that flag picks some of torch's kernels even
+    without autograd (a strided batch times a weight that requires a gradient is folded
+    into one GEMM, else run as a batched GEMM), so the engine must sample with it."""
     family = TwoExpertSD3.from_pretrained(tiny_sd3)
-    return family, *generate(family, tiny_sd3)
+    probe = make_trainer(family, make_config(tiny_sd3, *PROBE, *TILE))
+    return family, probe, *generate(family, tiny_sd3)
 
 
 def test_the_default_denoiser_is_the_first_trainable_component(tiny_sd3, rollout):
@@ -142,7 +176,8 @@ def test_micro_batches_never_mix_denoisers():
     batches = micro_batches(pairs, tile)
     # A 2-sample x 3-step tile across the boundary: its two experts' rows, in tile order.
     assert [[(p.sample_index, p.step) for p in b] for b in batches][:2] == [
-        [(0, 0), (1, 0), (0, 1), (1, 1)], [(0, 2), (1, 2)],
+        [(0, 0), (1, 0), (0, 1), (1, 1)],
+        [(0, 2), (1, 2)],
     ]
     for batch in batches:
         assert len({p.denoiser for p in batch}) == 1
@@ -153,7 +188,7 @@ def test_micro_batches_never_mix_denoisers():
 
 @pytest.mark.exercises("--micro-batch-size", "--update-weight-target-module", "--use-lora", "--use-ema")
 def test_two_experts_align_exactly_and_both_train(tiny_sd3, expert_rollout):
-    family, samples, advantages = expert_rollout
+    family, probe, samples, advantages = expert_rollout
     # Control: the test family does refuse a batch across the boundary.
     pair_rows = build_pairs(None, samples[:1], advantages[:1], family)
     assert [p.denoiser for p in pair_rows] == ["transformer", "transformer", "transformer_2"]
@@ -162,7 +197,6 @@ def test_two_experts_align_exactly_and_both_train(tiny_sd3, expert_rollout):
         family.predict(data["x"], data["timestep"], data["cond"], data["params"])
 
     # The alignment probe through the engine's own family: exact with each expert.
-    probe = make_trainer(family, make_config(tiny_sd3, *PROBE, *TILE))
     metrics = probe.train_rollout(samples, advantages)
     assert metrics["train/log_prob_max_abs_diff"] == 0.0 and metrics["train/model_output_max_abs_diff"] == 0.0
     # Flat micro-batches of 3 consecutive pairs would span the boundary: they are cut there.
@@ -174,10 +208,24 @@ def test_two_experts_align_exactly_and_both_train(tiny_sd3, expert_rollout):
 
     # Training LoRA on both experts (a fresh family: the probe's shares the engine's modules).
     fresh = TwoExpertSD3.from_pretrained(tiny_sd3)
-    trainer = make_trainer(fresh, make_config(
-        tiny_sd3, "--micro-batch-size", "3", "--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--use-ema", "--ema-rollout-policy", "ema",
-        "--update-weight-target-module", "transformer,transformer_2",
-    ))
+    trainer = make_trainer(
+        fresh,
+        make_config(
+            tiny_sd3,
+            "--micro-batch-size",
+            "3",
+            "--use-lora",
+            "--lora-rank",
+            "4",
+            "--lr",
+            "1e-2",
+            "--use-ema",
+            "--ema-rollout-policy",
+            "ema",
+            "--update-weight-target-module",
+            "transformer,transformer_2",
+        ),
+    )
     before = {k: v.detach().clone() for k, v in trainer.named_trainable().items()}
     assert {k.split(".")[0] for k in before} == {"transformer", "transformer_2"}
     metrics = trainer.train_rollout(samples, advantages)
@@ -301,17 +349,21 @@ def test_expand_hook_replaces_the_pair_expansion(tiny_sd3, rollout):
 
 
 @pytest.mark.exercises("--custom-expand-samples-to-train-pairs-path")
-@pytest.mark.parametrize("hook, message", [
-    ("expand_dict", "must return a list of TrainPair, got dict"),
-    ("expand_out_of_range", "pair 0 has sample_index 8, not in [0, 8)"),
-    ("expand_duplicate", "pair 24 repeats (sample 0, step 0); a pair is one transition"),
-    ("expand_unknown_denoiser", "pair 0.denoiser 'transformer_9' is not a component of the family (transformer)"),
-])
+@pytest.mark.parametrize(
+    "hook, message",
+    [
+        ("expand_dict", "must return a list of TrainPair, got dict"),
+        ("expand_out_of_range", "pair 0 has sample_index 8, not in [0, 8)"),
+        ("expand_duplicate", "pair 24 repeats (sample 0, step 0); a pair is one transition"),
+        ("expand_unknown_denoiser", "pair 0.denoiser 'transformer_9' is not a component of the family (transformer)"),
+    ],
+)
 def test_expand_hook_results_are_checked(tiny_sd3, rollout, hook, message):
     samples, advantages = rollout
     path = f"{HERE}.{hook}"
-    trainer = make_trainer(SD3Family.from_pretrained(tiny_sd3),
-                           make_config(tiny_sd3, *PROBE, "--custom-expand-samples-to-train-pairs-path", path))
+    trainer = make_trainer(
+        SD3Family.from_pretrained(tiny_sd3), make_config(tiny_sd3, *PROBE, "--custom-expand-samples-to-train-pairs-path", path)
+    )
     with pytest.raises(ValueError) as error:
         trainer.train_rollout(samples, advantages)
     assert str(error.value) == f"--custom-expand-samples-to-train-pairs-path {path}: {message}"
@@ -332,8 +384,11 @@ def test_convert_hook_replaces_advantages_and_expansion(tiny_sd3, rollout):
 @pytest.mark.exercises("--custom-convert-samples-to-train-data-path", "--custom-expand-samples-to-train-pairs-path")
 def test_convert_and_expand_hooks_exclude_each_other(tiny_sd3):
     config = make_config(
-        tiny_sd3, "--custom-convert-samples-to-train-data-path", f"{HERE}.convert_rank_advantages",
-        "--custom-expand-samples-to-train-pairs-path", f"{HERE}.expand_dict",
+        tiny_sd3,
+        "--custom-convert-samples-to-train-data-path",
+        f"{HERE}.convert_rank_advantages",
+        "--custom-expand-samples-to-train-pairs-path",
+        f"{HERE}.expand_dict",
     )
     with pytest.raises(ValueError) as error:
         make_trainer(SD3Family.from_pretrained(tiny_sd3), config)
@@ -395,16 +450,23 @@ def test_prepare_hook_builds_the_model_inputs(tiny_sd3, rollout):
 
 
 @pytest.mark.exercises("--custom-prepare-train-batch-path")
-@pytest.mark.parametrize("hook, message", [
-    ("prepare_without_cond", "the returned batch lacks cond (needs x, x_next, timestep, sigma, sigma_next, "
-                             "old_log_prob, advantages, loss_mask, sigma_max, cond, params)"),
-    ("prepare_short_rows", "advantages must be a tensor with 2 rows (one per pair), got (1,)"),
-])
+@pytest.mark.parametrize(
+    "hook, message",
+    [
+        (
+            "prepare_without_cond",
+            "the returned batch lacks cond (needs x, x_next, timestep, sigma, sigma_next, "
+            "old_log_prob, advantages, loss_mask, sigma_max, cond, params)",
+        ),
+        ("prepare_short_rows", "advantages must be a tensor with 2 rows (one per pair), got (1,)"),
+    ],
+)
 def test_prepare_hook_results_are_checked(tiny_sd3, rollout, hook, message):
     samples, advantages = rollout
     path = f"{HERE}.{hook}"
-    trainer = make_trainer(SD3Family.from_pretrained(tiny_sd3),
-                           make_config(tiny_sd3, *PROBE, *TILE, "--custom-prepare-train-batch-path", path))
+    trainer = make_trainer(
+        SD3Family.from_pretrained(tiny_sd3), make_config(tiny_sd3, *PROBE, *TILE, "--custom-prepare-train-batch-path", path)
+    )
     with pytest.raises(ValueError) as error:
         trainer.train_rollout(samples, advantages)
     assert str(error.value) == f"--custom-prepare-train-batch-path {path}: {message}"
@@ -442,6 +504,7 @@ def test_gradient_checkpointing_recomputes_and_keeps_gradients(tiny_sd3, rollout
         def forward_counted(*args, **kwargs):
             calls.append(1)
             return forward(*args, **kwargs)
+
         return forward_counted
 
     for trainer in (plain, checkpointed):
@@ -484,8 +547,11 @@ def test_attention_backend_native_keeps_outputs_and_bad_names_fail(tiny_sd3, rol
     assert message.startswith("--fsdp-attention-backend bogus: unknown attention backend; diffusers offers ")
     assert "native" in message.split("offers ")[1].split(", ") and "\n" not in message
     # SD3's processors call torch's SDPA directly: another backend would do nothing.
-    with pytest.raises(ValueError, match=r"^--fsdp-attention-backend _native_math: no attention processor of component "
-                                         r"transformer \(SD3Transformer2DModel\) dispatches"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--fsdp-attention-backend _native_math: no attention processor of component "
+        r"transformer \(SD3Transformer2DModel\) dispatches",
+    ):
         make_trainer(SD3Family.from_pretrained(tiny_sd3), make_config(tiny_sd3, "--fsdp-attention-backend", "_native_math"))
 
 
@@ -499,12 +565,25 @@ def test_attention_backend_reaches_dispatching_processors():
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     ).eval()
-    inputs = dict(hidden_states=torch.randn(1, 4, 1, 4, 4), timestep=torch.tensor([500.0]),
-                  encoder_hidden_states=torch.randn(1, 3, 16), return_dict=False)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 1, 4, 4),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, 3, 16),
+        return_dict=False,
+    )
     processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
     assert processors and all(p._attention_backend is None for p in processors)
     with torch.no_grad():
@@ -524,10 +603,30 @@ def test_attention_backend_reaches_dispatching_processors():
 def test_a_bad_attention_backend_is_one_line_from_the_train_command(tiny_sd3, prompts, tmp_path, capsys):
     from miles_core.cli.main import main
 
-    code = main(["train", "--hf-checkpoint", str(tiny_sd3), "--prompt-data", str(prompts), "--rollout-batch-size", "1",
-                 "--n-samples-per-prompt", "2", "--num-rollout", "1", "--diffusion-num-sde-steps", "1",
-                 "--diffusion-num-steps", "2", "--fsdp-attention-backend", "warp_drive",
-                 "--output-dir", str(tmp_path / "run")])
+    code = main(
+        [
+            "train",
+            "--hf-checkpoint",
+            str(tiny_sd3),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "1",
+            "--diffusion-num-sde-steps",
+            "1",
+            "--diffusion-num-steps",
+            "2",
+            "--fsdp-attention-backend",
+            "warp_drive",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("miles-core train: error: --fsdp-attention-backend warp_drive: unknown "
-                                            "attention backend; diffusers offers ")
+    assert code == 2 and err[-1].startswith(
+        "miles-core train: error: --fsdp-attention-backend warp_drive: unknown attention backend; diffusers offers "
+    )

@@ -19,14 +19,8 @@ from miles_core import testing
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.http import HttpEngine
 from miles_core.engine.server import create_app
-from miles_core.training.weight_sync import (
-    WeightSyncError,
-    engine_weights,
-    expected_checksum,
-    lora_config,
-    lora_tensors,
-    sync_to_engine,
-)
+from miles_core.errors import WeightSyncError
+from miles_core.training.weight_sync import engine_weights, expected_checksum, lora_config, lora_tensors, sync_to_engine
 from miles_core.weights import (
     bucket_to_bytes,
     iter_buckets,
@@ -88,6 +82,7 @@ def checksum_of(url: str, module: str = "transformer") -> str:
 def run_training(tiny_sd3, prompts, out, *extra):
     return run_metrics([*tiny_run_args(tiny_sd3, prompts, out, batch=1, n=2, steps=3, sde_steps=1), *extra], timeout=120)
 
+
 def trained_transformer(tiny_sd3, checkpoint_dir: Path):
     """The trainer's transformer at the end of a LoRA run, rebuilt from its checkpoint."""
     from peft import LoraConfig
@@ -100,8 +95,22 @@ def trained_transformer(tiny_sd3, checkpoint_dir: Path):
     return module
 
 
-LORA_RUN = ("--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "to_q", "to_k", "to_v",
-            "to_out.0", "--lr", "3e-2", "--num-rollout", "2")
+LORA_RUN = (
+    "--use-lora",
+    "--lora-rank",
+    "4",
+    "--lora-alpha",
+    "8",
+    "--lora-target-modules",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "--lr",
+    "3e-2",
+    "--num-rollout",
+    "2",
+)
 
 
 # -- (a) the merged weights ---------------------------------------------------------------
@@ -186,8 +195,11 @@ def test_server_adds_the_adapter_once_and_refuses_another(server, tiny_sd3):
         ({**base, "lora_config": {**LORA, "r": 0}}, 400, "lora_config.r: must be a positive integer"),
         ({**base, "lora_config": {**LORA, "dropout": 0.1}}, 400, "lora_config.dropout: unknown field"),
         ({**base, "lora_config": {**LORA, "target_modules": []}}, 400, "lora_config.target_modules: "),
-        ({**base, "lora_config": {**LORA, "target_modules": ["no_such_layer"]}}, 400,
-         "lora_config: transformer: cannot add the LoRA adapter"),
+        (
+            {**base, "lora_config": {**LORA, "target_modules": ["no_such_layer"]}},
+            400,
+            "lora_config: transformer: cannot add the LoRA adapter",
+        ),
     ]
     before = checksum_of(url)
     for body, status, prefix in cases:
@@ -232,8 +244,18 @@ def test_lora_run_syncs_merged_weights_in_buckets(server, tiny_sd3, prompts, tmp
     engine.update_weights_from_tensors = lambda name, tensors, **kw: calls.append(len(tensors)) or update(name, tensors, **kw)
     buffer_size = 32 * 1024
     records = run_training(
-        tiny_sd3, prompts, tmp_path / "run", *LORA_RUN, "--rollout-engine", "http", "--rollout-engine-urls", url,
-        "--update-weight-buffer-size", str(buffer_size), "--save", str(tmp_path / "ckpt"),
+        tiny_sd3,
+        prompts,
+        tmp_path / "run",
+        *LORA_RUN,
+        "--rollout-engine",
+        "http",
+        "--rollout-engine-urls",
+        url,
+        "--update-weight-buffer-size",
+        str(buffer_size),
+        "--save",
+        str(tmp_path / "ckpt"),
     )
     assert [r["rollout_id"] for r in records] == [0, 1]
     trained = trained_transformer(tiny_sd3, tmp_path / "ckpt")
@@ -257,8 +279,17 @@ def test_lora_only_run_creates_the_engine_adapter(server, tiny_sd3, prompts, tmp
     url, engine = server
     before = checksum_of(url)
     records = run_training(
-        tiny_sd3, prompts, tmp_path / "run", *LORA_RUN, "--rollout-engine", "http", "--rollout-engine-urls", url,
-        "--lora-ipc-weight-sync", "--save", str(tmp_path / "ckpt"),
+        tiny_sd3,
+        prompts,
+        tmp_path / "run",
+        *LORA_RUN,
+        "--rollout-engine",
+        "http",
+        "--rollout-engine-urls",
+        url,
+        "--lora-ipc-weight-sync",
+        "--save",
+        str(tmp_path / "ckpt"),
     )
     module = engine.component("transformer")
     assert set(module.peft_config) == {"default"} and module.peft_config["default"].r == 4
@@ -276,8 +307,9 @@ def test_lora_only_run_creates_the_engine_adapter(server, tiny_sd3, prompts, tmp
 
 
 def test_alignment_probe_is_exactly_zero_against_a_serve_engine_process(tiny_sd3, prompts, tmp_path):
-    with testing.serve_engine_process(tiny_sd3, "--diffusion-model-family", "sd3", "--device", "cpu",
-                                      log_path=tmp_path / "serve.log") as served:
+    with testing.serve_engine_process(
+        tiny_sd3, "--diffusion-model-family", "sd3", "--device", "cpu", log_path=tmp_path / "serve.log"
+    ) as served:
         url = served.url
         wait_healthy(url, timeout=60)
         # Nudge one engine weight: only the run's initial sync makes the probe exact again.
@@ -286,9 +318,23 @@ def test_alignment_probe_is_exactly_zero_against_a_serve_engine_process(tiny_sd3
         assert http(url, "/update_weights_from_tensor", msgpack.packb(body), content_type="application/msgpack")[0] == 200
         assert checksum_of(url) != module_checksum(transformer(tiny_sd3))
         (record,) = run_training(
-            tiny_sd3, prompts, tmp_path / "probe", "--num-rollout", "1", "--debug-skip-optimizer-step",
-            "--diffusion-debug-mode", "--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1",
-            "--diffusion-guidance-scale", "4.5", "--rollout-engine", "http", "--rollout-engine-urls", url,
+            tiny_sd3,
+            prompts,
+            tmp_path / "probe",
+            "--num-rollout",
+            "1",
+            "--debug-skip-optimizer-step",
+            "--diffusion-debug-mode",
+            "--micro-batch-size-sample",
+            "2",
+            "--micro-batch-size-tstep",
+            "1",
+            "--diffusion-guidance-scale",
+            "4.5",
+            "--rollout-engine",
+            "http",
+            "--rollout-engine-urls",
+            url,
         )
         assert record["train/num_pairs"] == 2
         assert record["train/log_prob_max_abs_diff"] == 0.0 and record["train/log_prob_mean_abs_diff"] == 0.0

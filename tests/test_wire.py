@@ -9,16 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from miles_core.engine.request import RolloutOutput
-from miles_core.engine.wire import (
-    WireError,
-    decode_tensor,
-    encode_tensor,
-    pack,
-    pack_outputs,
-    unpack,
-    unpack_outputs,
-)
+from miles_core.engine.wire import decode_tensor, encode_tensor, pack, pack_outputs, unpack, unpack_outputs
+from miles_core.errors import WireError
+from miles_core.request import RolloutOutput
 
 
 def assert_same(a, b, path="$"):
@@ -92,15 +85,21 @@ def _outputs():
     g = torch.Generator().manual_seed(1)
     return [
         RolloutOutput(
-            request_id="r1", prompt="a cat", seed=10 + i,
+            request_id="r1",
+            prompt="a cat",
+            seed=10 + i,
             generated_output=torch.rand(3, 8, 8, generator=g),
             rollout_log_probs=torch.randn(3, generator=g),
             rollout_debug_tensors={"rollout_noise_std_devs": torch.rand(3, generator=g)},
-            denoising_env={"image_kwargs": {"height": 8, "width": 8},
-                           "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(4, 2, generator=g)},
-                           "neg_cond_kwargs": None, "guidance": {"guidance_scale": 4.0}},
+            denoising_env={
+                "image_kwargs": {"height": 8, "width": 8},
+                "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(4, 2, generator=g)},
+                "neg_cond_kwargs": None,
+                "guidance": {"guidance_scale": 4.0},
+            },
             dit_trajectory={"latents": torch.randn(4, 2, 2, generator=g), "sigmas": torch.tensor([1.0, 0.5, 0.0])},
-            inference_time_s=0.5, peak_memory_mb=12.0,
+            inference_time_s=0.5,
+            peak_memory_mb=12.0,
         )
         for i in range(2)
     ]

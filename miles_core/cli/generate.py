@@ -23,6 +23,7 @@ from typing import Any
 
 from miles_core.cli.model_options import add_model_options, device_and_dtype, family_name
 from miles_core.config.parser import OneLineParser
+from miles_core.errors import UsageError
 from miles_core.plugin_manager import get_host
 
 MANIFEST = "manifest.jsonl"
@@ -41,51 +42,67 @@ REQUEST_FLAGS = {
 }
 
 
-class GenerateError(Exception):
-    """A one-line error for the user (exit status 2)."""
-
-
 def build_parser(families: Sequence[str] = (), prog: str = "miles-core generate") -> OneLineParser:
     parser = OneLineParser(prog=prog, description=__doc__)
     add_model_options(parser, families, checkpoint_help="diffusers pipeline directory or hub id")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
     prompts.add_argument(
-        "--prompt-file", metavar="FILE",
-        help="prompts: FILE.jsonl (one JSON object per line, the prompt under --input-key) or FILE.txt "
-             "(one prompt per non-empty line)",
+        "--prompt-file",
+        metavar="FILE",
+        help="prompts: FILE.jsonl (one JSON object per line, the prompt under --input-key) or FILE.txt (one prompt per non-empty line)",
     )
     parser.add_argument("--input-key", default="input", metavar="KEY", help="prompt key of a .jsonl prompt file (default: input)")
     parser.add_argument(
-        "--negative-prompt", metavar="TEXT", default=None,
+        "--negative-prompt",
+        metavar="TEXT",
+        default=None,
         help="negative prompt when guidance is on (default: the family's)",
     )
     parser.add_argument("--num-outputs", type=int, default=1, metavar="N", help="outputs per prompt (default: 1)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of output 0; output i uses S+i (default: 0)")
     parser.add_argument(
-        "--num-inference-steps", type=int, default=None, metavar="N",
+        "--num-inference-steps",
+        type=int,
+        default=None,
+        metavar="N",
         help="denoising steps (default: the pipeline's own default)",
     )
     parser.add_argument(
-        "--guidance-scale", type=float, default=None, metavar="G",
+        "--guidance-scale",
+        type=float,
+        default=None,
+        metavar="G",
         help="classifier-free guidance scale; 1 or less turns it off (default: the pipeline's own default)",
     )
     parser.add_argument(
-        "--guidance-scale-2", type=float, default=None, metavar="G",
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        metavar="G",
         help="guidance scale of Wan 2.2's low-noise expert (required there when guidance is on)",
     )
-    parser.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
-                        help="true-CFG scale of the families that have it (Qwen-Image)")
-    parser.add_argument("--flow-shift", type=float, default=None, metavar="S",
-                        help="schedule shift, as --diffusion-flow-shift in training (default: the checkpoint's)")
+    parser.add_argument(
+        "--true-cfg-scale", type=float, default=None, metavar="G", help="true-CFG scale of the families that have it (Qwen-Image)"
+    )
+    parser.add_argument(
+        "--flow-shift",
+        type=float,
+        default=None,
+        metavar="S",
+        help="schedule shift, as --diffusion-flow-shift in training (default: the checkpoint's)",
+    )
     parser.add_argument("--height", type=int, default=None, metavar="H", help="default: the pipeline's native size")
     parser.add_argument("--width", type=int, default=None, metavar="W", help="default: the pipeline's native size")
     parser.add_argument("--num-frames", type=int, default=None, metavar="N", help="frames of a video family (default: the family's)")
-    parser.add_argument("--fps", type=float, default=None, help="frame rate of a video family, and of the written MP4 or GIF (default: 16 for the file)")
     parser.add_argument(
-        "--lora", metavar="DIR", default=None,
-        help="a diffusers LoRA (the directory a training run saves), loaded with pipeline.load_lora_weights "
-             "or the family's own loader",
+        "--fps", type=float, default=None, help="frame rate of a video family, and of the written MP4 or GIF (default: 16 for the file)"
+    )
+    parser.add_argument(
+        "--lora",
+        metavar="DIR",
+        default=None,
+        help="a diffusers LoRA (the directory a training run saves), loaded with pipeline.load_lora_weights or the family's own loader",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     return parser
@@ -97,7 +114,7 @@ def run(argv: Sequence[str], prog: str = "miles-core generate") -> int:
     args = parser.parse_args(list(argv))
     try:
         _generate(args, registry, prog)
-    except GenerateError as exc:
+    except UsageError as exc:
         parser.error(str(exc))
     return 0
 
@@ -109,30 +126,31 @@ def _resolve_family(checkpoint: str, explicit: str | None, registry: Any) -> str
     try:
         return family_name(checkpoint, explicit, registry)
     except ValueError as exc:
-        raise GenerateError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _load_prompt_file(path: Path, input_key: str) -> list[tuple[str, dict]]:
-    from miles_core.rollout.data import PromptDataError, load_prompts
+    from miles_core.errors import PromptDataError
+    from miles_core.rollout.data import load_prompts
 
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         try:
             return [(r.prompt, r.metadata) for r in load_prompts(path, input_key=input_key)]
         except PromptDataError as exc:
-            raise GenerateError(f"--prompt-file {exc}") from None
+            raise UsageError(f"--prompt-file {exc}") from None
     if suffix == ".txt":
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise GenerateError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
+            raise UsageError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
         except UnicodeDecodeError as exc:
-            raise GenerateError(f"--prompt-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            raise UsageError(f"--prompt-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         prompts = [(line.strip(), {}) for line in text.splitlines() if line.strip()]
         if not prompts:
-            raise GenerateError(f"--prompt-file {path}: no prompts (empty file)")
+            raise UsageError(f"--prompt-file {path}: no prompts (empty file)")
         return prompts
-    raise GenerateError(f"--prompt-file {path}: expected a .jsonl or .txt file")
+    raise UsageError(f"--prompt-file {path}: expected a .jsonl or .txt file")
 
 
 def _pipeline_default(pipeline_class: type, name: str, fallback: Any) -> Any:
@@ -146,34 +164,35 @@ def _pipeline_default(pipeline_class: type, name: str, fallback: Any) -> Any:
     return parameter.default
 
 
-def _request_error(exc: Exception) -> GenerateError:
+def _request_error(exc: Exception) -> UsageError:
     field = getattr(exc, "field", None)
     flag = REQUEST_FLAGS.get(field or "", field)
     message = str(exc).split(": ", 1)[1] if field and str(exc).startswith(f"{field}: ") else str(exc)
-    return GenerateError(f"{flag} {message}" if flag else message)
+    return UsageError(f"{flag} {message}" if flag else message)
 
 
 def _generate(args: Any, registry: Any, prog: str) -> None:
-    from miles_core.engine.request import RequestError, RolloutRequest
+    from miles_core.errors import RequestError
+    from miles_core.request import RolloutRequest
 
     if args.num_outputs < 1:
-        raise GenerateError(f"--num-outputs {args.num_outputs}: must be at least 1")
+        raise UsageError(f"--num-outputs {args.num_outputs}: must be at least 1")
     if args.num_inference_steps is not None and args.num_inference_steps < 1:
-        raise GenerateError(f"--num-inference-steps {args.num_inference_steps}: must be at least 1")
+        raise UsageError(f"--num-inference-steps {args.num_inference_steps}: must be at least 1")
     if args.fps is not None and not (math.isfinite(args.fps) and args.fps > 0):
-        raise GenerateError(f"--fps {args.fps}: must be a positive number")
+        raise UsageError(f"--fps {args.fps}: must be a positive number")
     if args.prompt is not None:
         if not args.prompt.strip():
-            raise GenerateError("--prompt: must not be empty")
+            raise UsageError("--prompt: must not be empty")
         prompts = [(args.prompt, {})]
     else:
         prompts = _load_prompt_file(Path(args.prompt_file), args.input_key)
     if args.lora is not None and not Path(args.lora).exists():
-        raise GenerateError(f"--lora {args.lora}: no such file or directory")
+        raise UsageError(f"--lora {args.lora}: no such file or directory")
     family_name = _resolve_family(args.hf_checkpoint, args.diffusion_model_family, registry)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise GenerateError(f"--out {out}: exists and is not a directory")
+        raise UsageError(f"--out {out}: exists and is not a directory")
 
     requests = []
     for index, (prompt, _) in enumerate(prompts):
@@ -190,7 +209,8 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
             fps=args.fps,
             true_cfg_scale=args.true_cfg_scale,
             extra_sampling_params={
-                key: value for key, value in (("guidance_scale_2", args.guidance_scale_2), ("flow_shift", args.flow_shift))
+                key: value
+                for key, value in (("guidance_scale_2", args.guidance_scale_2), ("flow_shift", args.flow_shift))
                 if value is not None
             },
             rollout=False,
@@ -209,42 +229,36 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
             for suffix in (".png", ".mp4", ".gif"):
                 path = out / _file_name(index, args.seed + i, suffix)
                 if path.exists():
-                    raise GenerateError(
-                        f"--out {out}: {path.name} exists; refusing to overwrite it (choose another --out or --seed)"
-                    )
+                    raise UsageError(f"--out {out}: {path.name} exists; refusing to overwrite it (choose another --out or --seed)")
 
-
-    from miles_core.quiet import quiet_hub_libraries
     from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.quiet import quiet_hub_libraries
 
     quiet_hub_libraries()
     family_cls = registry.get(family_name).load()
     pipeline_class = family_cls.resolve_pipeline_class()
     steps = args.num_inference_steps or int(_pipeline_default(pipeline_class, "num_inference_steps", 28))
-    guidance = args.guidance_scale if args.guidance_scale is not None else float(
-        _pipeline_default(pipeline_class, "guidance_scale", 4.0)
-    )
+    guidance = args.guidance_scale if args.guidance_scale is not None else float(_pipeline_default(pipeline_class, "guidance_scale", 4.0))
     from miles_core.family import ModelFamily
 
     own_loader = family_cls.load_lora is not ModelFamily.load_lora  # e.g. Cosmos 3's transformer adapter API
     if args.lora is not None and not own_loader and not hasattr(pipeline_class, "load_lora_weights"):
-        raise GenerateError(
-            f"--lora {args.lora}: the {family_name} family's pipeline ({pipeline_class.__name__}) has no LoRA loader "
-            "(load_lora_weights)"
+        raise UsageError(
+            f"--lora {args.lora}: the {family_name} family's pipeline ({pipeline_class.__name__}) has no LoRA loader (load_lora_weights)"
         )
     device, dtype = device_and_dtype(args.device, args.dtype)
     try:
         engine = EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family_name, device=device, dtype=dtype)
-    except Exception as exc:  # noqa: BLE001 - any load failure is the user's checkpoint or device
-        raise GenerateError(f"--hf-checkpoint {args.hf_checkpoint}: cannot load it as {family_name}: {_first_line(exc)}") from None
+    except Exception as exc:
+        raise UsageError(f"--hf-checkpoint {args.hf_checkpoint}: cannot load it as {family_name}: {_first_line(exc)}") from None
     pipeline = engine.family.pipeline
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     if args.lora is not None:
         try:
             engine.family.load_lora(args.lora)
-        except Exception as exc:  # noqa: BLE001 - a bad LoRA directory or mismatched modules
-            raise GenerateError(f"--lora {args.lora}: cannot load it into the {family_name} pipeline: {_first_line(exc)}") from None
+        except Exception as exc:
+            raise UsageError(f"--lora {args.lora}: cannot load it into the {family_name} pipeline: {_first_line(exc)}") from None
 
     from dataclasses import replace
 
@@ -262,7 +276,7 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
     for index, ((prompt, metadata), request) in enumerate(zip(prompts, requests)):
         outputs = engine.generate_sync(request)
         for output in outputs:
-            name = _write(out, index, output.seed, output.generated_output, args.fps)
+            name = write_output(out, index, output.seed, output.generated_output, args.fps)
             row = {"prompt_index": index, "prompt": prompt, "seed": output.seed, "file": name}
             if metadata:
                 row["metadata"] = metadata
@@ -331,20 +345,27 @@ def _to_frames(pixels: Any) -> Any:
     return array.contiguous().numpy()
 
 
-def _write(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | None) -> str:
+def write_output(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | None) -> str:
     iio = mp4_encoder() if pixels.ndim == 4 else None
     if pixels.ndim == 4 and iio is not None:  # [C, F, H, W] as H.264 MP4
         name = _file_name(prompt_index, seed, ".mp4")
         try:
             with (out / name).open("xb") as handle:
                 # macro_block_size 2: H.264 with yuv420p needs even sizes; others keep their size.
-                iio.imwrite(handle, _to_frames(pixels), extension=".mp4", plugin="FFMPEG", fps=fps or DEFAULT_FPS,
-                            codec="libx264", macro_block_size=2)
+                iio.imwrite(
+                    handle,
+                    _to_frames(pixels),
+                    extension=".mp4",
+                    plugin="FFMPEG",
+                    fps=fps or DEFAULT_FPS,
+                    codec="libx264",
+                    macro_block_size=2,
+                )
         except FileExistsError:
-            raise GenerateError(f"--out {out}: {name} exists; refusing to overwrite it") from None
-        except Exception as exc:  # noqa: BLE001 - ffmpeg's failure: leave no partial file behind
+            raise UsageError(f"--out {out}: {name} exists; refusing to overwrite it") from None
+        except Exception as exc:
             (out / name).unlink(missing_ok=True)
-            raise GenerateError(f"{out / name}: the MP4 encoder (imageio-ffmpeg) failed: {_first_line(exc)}") from None
+            raise UsageError(f"{out / name}: the MP4 encoder (imageio-ffmpeg) failed: {_first_line(exc)}") from None
         return name
     if pixels.ndim == 3:
         name = _file_name(prompt_index, seed, ".png")
@@ -354,16 +375,19 @@ def _write(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | No
         frames = [_to_pil(pixels[:, f]) for f in range(pixels.shape[1])]
         image = frames[0]
         extra = {
-            "format": "GIF", "save_all": True, "append_images": frames[1:], "loop": 0,
+            "format": "GIF",
+            "save_all": True,
+            "append_images": frames[1:],
+            "loop": 0,
             "duration": max(1, round(1000 / (fps or DEFAULT_FPS))),
         }
     else:
-        raise GenerateError(f"the family returned an output of shape {tuple(pixels.shape)}; expected [C,H,W] or [C,F,H,W]")
+        raise UsageError(f"the family returned an output of shape {tuple(pixels.shape)}; expected [C,H,W] or [C,F,H,W]")
     try:
         with (out / name).open("xb") as handle:
             image.save(handle, **extra)
     except FileExistsError:
-        raise GenerateError(f"--out {out}: {name} exists; refusing to overwrite it") from None
+        raise UsageError(f"--out {out}: {name} exists; refusing to overwrite it") from None
     return name
 
 

@@ -4,10 +4,12 @@ plugin failed. Answers from registrations only (no model code is imported)."""
 from __future__ import annotations
 
 import json
-from typing import Sequence
+import warnings
+from collections.abc import Sequence
 
 from miles_core.config.parser import OneLineParser
-from miles_core.plugin_manager import PluginHost, PluginRecord
+from miles_core.errors import PluginLoadError
+from miles_core.plugin_manager import PluginHost, PluginLoadWarning, PluginRecord, strict_from_env
 
 
 def _registers_text(record: PluginRecord) -> str:
@@ -34,12 +36,20 @@ def build_parser(prog: str = "miles-core list-plugins") -> OneLineParser:
 
 def run(argv: Sequence[str], prog: str = "miles-core list-plugins") -> int:
     args = build_parser(prog).parse_args(list(argv))
-    # Never strict here: listing broken plugins is the point of this command.
-    host = PluginHost(strict=False)
+    # Load leniently so every plugin is listed, the broken ones with their errors; under
+    # MILES_STRICT_PLUGINS=1 a failed plugin then fails the command, as it does every other.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        host = PluginHost(strict=False)
     if args.json:
         print(json.dumps([record.to_json() for record in host.records], indent=2))
     else:
         print(format_table(host.records))
+    failed = [record for record in host.records if record.status == "failed"]
+    if failed and strict_from_env():
+        raise PluginLoadError(
+            f"miles plugin {failed[0].name!r} ({failed[0].distribution} {failed[0].version}, entry point "
+            f"{failed[0].entry_point}) failed to load: {failed[0].error} [MILES_STRICT_PLUGINS=1]"
+            + (f" (and {len(failed) - 1} more, listed above)" if len(failed) > 1 else "")
+        )
     return 0
-
-

@@ -1,14 +1,22 @@
 """``miles-core``: the entry point, dispatching to one module per command.
 
 Each command module is imported only when its command runs, so ``list-plugins`` stays
-free of torch, diffusers and transformers.
+free of torch, diffusers and transformers. Errors are handled here, once for every
+command: a :class:`~miles_core.errors.MilesError` is printed as ``PROG: error: MESSAGE``
+(one line per message) and the exit status is the error's ``exit_code`` (2: bad input or
+configuration, 1: a failure while running). The traceback is printed too with
+``--debug`` (before the command) or ``MILES_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from typing import Sequence
+import traceback
+from collections.abc import Sequence
+
+from miles_core.errors import MilesError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("miles_core.cli.train", "Run training: rollout, reward, optimizer steps, metrics"),
@@ -24,19 +32,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [
-        "usage: miles-core [--version] COMMAND [ARGS...]",
+        "usage: miles-core [--version] [--debug] COMMAND [ARGS...]",
         "",
         "RL post-training (Flow-GRPO, DiffusionNFT, SFT) for flow-matching diffusion models.",
         "",
         "commands:",
     ]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
-    lines += ["", "Run 'miles-core COMMAND --help' for a command's options."]
+    lines += [
+        "",
+        "Run 'miles-core COMMAND --help' for a command's options. --debug (or MILES_DEBUG=1)",
+        "prints the traceback behind an error.",
+    ]
     return "\n".join(lines)
+
+
+def debug_from_env() -> bool:
+    return os.environ.get("MILES_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_from_env()
+    while args and args[0] == "--debug":
+        debug = True
+        args = args[1:]
     if not args or args[0] in ("-h", "--help"):
         print(usage())
         return 0 if args else 2
@@ -49,8 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"miles-core: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.run(rest, prog=f"miles-core {command}") or 0)
+    prog = f"miles-core {command}"
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.run(rest, prog=prog) or 0)
+    except MilesError as exc:
+        if debug:
+            traceback.print_exc()
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"{prog}: error: {line}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ import inspect
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from miles_core.config.parser import OneLineParser
+from miles_core.errors import ComponentLoadError
 from miles_core.plugin_manager import get_host
 from miles_core.quiet import quiet_hub_libraries
-from miles_core.registry import ComponentLoadError
 
 SCALES = ("tiny", "bench")
 
@@ -28,12 +28,15 @@ def build_parser(families: Sequence[str], prog: str = "miles-core make-tiny") ->
     parser.add_argument("out_dir", metavar="DIR", help="directory to write (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     parser.add_argument(
-        "--scale", choices=SCALES, default=None,
+        "--scale",
+        choices=SCALES,
+        default=None,
         help="tiny (the default) or bench: a pipeline large enough for model compute to dominate, "
         "for benchmarks (only families whose tiny factory takes a scale)",
     )
     parser.add_argument(
-        "--demo", action="store_true",
+        "--demo",
+        action="store_true",
         help="the demo variant: trained so that RL visibly moves image rewards (SD3: a VAE trained on "
         "synthetic shapes and a transformer fine-tuned on them with sft_loss; about a minute on 2 cores, "
         "then cached under $MILES_CACHE_DIR, default ~/.cache/miles-core)",
@@ -79,4 +82,3 @@ def run(argv: Sequence[str], prog: str = "miles-core make-tiny") -> int:
     kind = "demo" if args.demo else ("tiny" if args.scale in (None, "tiny") else f"{args.scale}-scale")
     print(f"wrote a {kind} {args.family} pipeline to {out_dir} ({size / 1e6:.2f} MB, seed {args.seed})", file=sys.stderr)
     return 0
-

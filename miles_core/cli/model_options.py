@@ -4,26 +4,33 @@ which family, which device and dtype."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def add_model_options(parser: argparse.ArgumentParser, families: Sequence[str], *, checkpoint_help: str) -> None:
     parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help=checkpoint_help)
     parser.add_argument(
-        "--diffusion-model-family", metavar="NAME", default=None,
-        help=f"model family ({', '.join(families) or 'none installed'}); default: matched from the checkpoint's name",
+        "--diffusion-model-family",
+        metavar="NAME",
+        default=None,
+        help=f"model family ({', '.join(families) or 'none installed'}); default: matched from the checkpoint "
+        "(its model_index.json, else its name)",
     )
     parser.add_argument("--device", default="auto", help="torch device (default: auto, cuda when available)")
     parser.add_argument(
-        "--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+        "--dtype",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
         help="model dtype (default: auto, bf16 on cuda and fp32 on the CPU)",
     )
 
 
 def family_name(checkpoint: str, explicit: str | None, registry: Any) -> str:
-    """The explicit ``--diffusion-model-family``, else the family whose name patterns
-    match the checkpoint; a ``ValueError`` with a one-line message otherwise."""
-    from miles_core.config.resolve import match_family
+    """The explicit ``--diffusion-model-family``, else the family matched from the
+    checkpoint (:mod:`miles_core.family_match`); a ``ValueError`` with a one-line message
+    otherwise."""
+    from miles_core.family_match import match_family
 
     if explicit is not None:
         if explicit not in registry:

@@ -17,15 +17,13 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from miles_core.config.parser import OneLineParser
-
-
-class ScoreError(Exception):
-    """A one-line error for the user (exit status 2)."""
+from miles_core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -43,13 +41,15 @@ def add_score_arguments(parser: OneLineParser) -> list[str]:
     has ``--prompt-data``, ``--input-key`` and ``--metadata-key``)."""
     parser.description = __doc__.replace("``", "")
     group = parser.add_argument_group("Scoring")
-    group.add_argument("--prompt", dest="score_prompt", metavar="TEXT",
-                       help="the prompt the IMAGE files were generated for")
+    group.add_argument("--prompt", dest="score_prompt", metavar="TEXT", help="the prompt the IMAGE files were generated for")
     group.add_argument("score_images", nargs="*", metavar="IMAGE", help="image files to score (with --prompt)")
-    group.add_argument("--image-key", dest="score_image_key", metavar="KEY",
-                       help="image key of --prompt-data rows, a path relative to the file (default: image)")
-    group.add_argument("--json", dest="score_json", action="store_true",
-                       help="print one JSON object per image instead of a table")
+    group.add_argument(
+        "--image-key",
+        dest="score_image_key",
+        metavar="KEY",
+        help="image key of --prompt-data rows, a path relative to the file (default: image)",
+    )
+    group.add_argument("--json", dest="score_json", action="store_true", help="print one JSON object per image instead of a table")
     return list(SCORE_DESTS)
 
 
@@ -58,20 +58,20 @@ def items_from_config(config: Any) -> list[ScoreItem]:
     prompt, images = own.get("score_prompt"), own.get("score_images") or []
     if prompt is not None:
         if config.prompt_data:
-            raise ScoreError("give either --prompt with IMAGE files or --prompt-data, not both")
+            raise UsageError("give either --prompt with IMAGE files or --prompt-data, not both")
         if not images:
-            raise ScoreError("--prompt needs at least one IMAGE file to score")
+            raise UsageError("--prompt needs at least one IMAGE file to score")
         return [ScoreItem(prompt, Path(image), {}) for image in images]
     if not config.prompt_data:
-        raise ScoreError("give --prompt TEXT IMAGE [IMAGE ...] or --prompt-data FILE.jsonl")
+        raise UsageError("give --prompt TEXT IMAGE [IMAGE ...] or --prompt-data FILE.jsonl")
     if images:
-        raise ScoreError("IMAGE arguments go with --prompt; with --prompt-data the rows name the images")
+        raise UsageError("IMAGE arguments go with --prompt; with --prompt-data the rows name the images")
     image_key = own.get("score_image_key") or "image"
     path = Path(config.prompt_data)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ScoreError(f"--prompt-data {path}: cannot read ({exc})") from None
+        raise UsageError(f"--prompt-data {path}: cannot read ({exc})") from None
     items = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -79,19 +79,19 @@ def items_from_config(config: Any) -> list[ScoreItem]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ScoreError(f"--prompt-data {path}:{number}: not JSON ({exc.msg})") from None
+            raise UsageError(f"--prompt-data {path}:{number}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict):
-            raise ScoreError(f"--prompt-data {path}:{number}: a row must be a JSON object")
+            raise UsageError(f"--prompt-data {path}:{number}: a row must be a JSON object")
         for key in (config.input_key, image_key):
             if not isinstance(row.get(key), str):
-                raise ScoreError(f"--prompt-data {path}:{number}: needs a string under {key!r}")
+                raise UsageError(f"--prompt-data {path}:{number}: needs a string under {key!r}")
         metadata = row.get(config.metadata_key) or {}
         if not isinstance(metadata, dict):
-            raise ScoreError(f"--prompt-data {path}:{number}: {config.metadata_key!r} must be a JSON object")
+            raise UsageError(f"--prompt-data {path}:{number}: {config.metadata_key!r} must be a JSON object")
         image = Path(row[image_key])
         items.append(ScoreItem(row[config.input_key], image if image.is_absolute() else path.parent / image, metadata))
     if not items:
-        raise ScoreError(f"--prompt-data {path}: no rows")
+        raise UsageError(f"--prompt-data {path}: no rows")
     return items
 
 
@@ -106,9 +106,9 @@ def load_pixels(path: Path) -> Any:
         with Image.open(path) as image:
             frames = [np.asarray(frame.convert("RGB")) for frame in ImageSequence.Iterator(image)]
     except FileNotFoundError:
-        raise ScoreError(f"{path}: no such image file") from None
+        raise UsageError(f"{path}: no such image file") from None
     except (UnidentifiedImageError, OSError) as exc:
-        raise ScoreError(f"{path}: not an image Pillow can read ({exc})") from None
+        raise UsageError(f"{path}: not an image Pillow can read ({exc})") from None
     array = torch.from_numpy(np.stack(frames)).float().div(255.0)  # [F, H, W, C]
     if len(frames) == 1:
         return array[0].permute(2, 0, 1).contiguous()
@@ -117,7 +117,7 @@ def load_pixels(path: Path) -> Any:
 
 def build_samples(items: Sequence[ScoreItem]) -> list[Any]:
     """Samples the reward code scores, grouped by prompt in first-seen order."""
-    from miles_core.engine.request import RolloutOutput
+    from miles_core.request import RolloutOutput
     from miles_core.rollout.sample import Sample
 
     groups: dict[str, list[ScoreItem]] = {}
@@ -126,10 +126,17 @@ def build_samples(items: Sequence[ScoreItem]) -> list[Any]:
     samples = []
     for group_index, (prompt, members) in enumerate(groups.items()):
         for index, item in enumerate(members):
-            output = RolloutOutput(request_id=f"score-{group_index}", prompt=prompt, seed=index,
-                                   generated_output=load_pixels(item.image))
-            sample = Sample(prompt=prompt, metadata=dict(item.metadata), rollout_id=0, group_index=group_index,
-                            index_in_group=index, seed=index, sde_step_indices=(), output=output)
+            output = RolloutOutput(request_id=f"score-{group_index}", prompt=prompt, seed=index, generated_output=load_pixels(item.image))
+            sample = Sample(
+                prompt=prompt,
+                metadata=dict(item.metadata),
+                rollout_id=0,
+                group_index=group_index,
+                index_in_group=index,
+                seed=index,
+                sde_step_indices=(),
+                output=output,
+            )
             sample.source_path = item.image  # type: ignore[attr-defined]  # for the report only
             samples.append(sample)
     return samples
@@ -138,7 +145,8 @@ def build_samples(items: Sequence[ScoreItem]) -> list[Any]:
 async def score_samples(config: Any, samples: list[Any], warn: Any = None) -> dict[str, float]:
     """Score like a rollout. A reward that failed on every image it scored stops a run;
     here its images are shown as failed and ``warn`` gets the reason."""
-    from miles_core.training.rewards import RewardError, RewardScorer
+    from miles_core.errors import RewardError
+    from miles_core.training.rewards import RewardScorer
 
     scorer = RewardScorer(config)
     if scorer.needs_whole_groups:
@@ -160,8 +168,12 @@ def report(samples: Sequence[Any], as_json: bool) -> list[str]:
     lines = []
     for sample in samples:
         failed = bool(getattr(sample, "reward_failed", False))
-        record = {"image": str(sample.source_path), "prompt": sample.prompt,
-                  "reward": None if failed else sample.reward, "components": dict(sample.reward_components)}
+        record = {
+            "image": str(sample.source_path),
+            "prompt": sample.prompt,
+            "reward": None if failed else sample.reward,
+            "components": dict(sample.reward_components),
+        }
         if as_json:
             lines.append(json.dumps(record))
             continue
@@ -188,27 +200,16 @@ def build_parser(prog: str = "miles-core score") -> OneLineParser:
 
 
 def run(argv: Sequence[str], prog: str = "miles-core score") -> int:
-    from miles_core.config.errors import ConfigError
     from miles_core.config.resolve import resolve_config
 
-    try:
-        config = resolve_config(list(argv), prog=prog, scope="reward", extend=add_score_arguments)
-    except ConfigError as exc:
-        for message in exc.messages:
-            print(f"{prog}: error: {message}", file=sys.stderr)
-        return 2
+    config = resolve_config(list(argv), prog=prog, scope="reward", extend=add_score_arguments)
     for note in config.notes:
         print(f"{prog}: warning: {note}", file=sys.stderr)
     from miles_core.quiet import quiet_hub_libraries
-    from miles_core.training.rewards import RewardError
 
     quiet_hub_libraries()
-    try:
-        samples = build_samples(items_from_config(config))
-        asyncio.run(score_samples(config, samples, warn=lambda line: print(f"{prog}: warning: {line}", file=sys.stderr)))
-    except (ScoreError, RewardError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+    samples = build_samples(items_from_config(config))
+    asyncio.run(score_samples(config, samples, warn=lambda line: print(f"{prog}: warning: {line}", file=sys.stderr)))
     for line in report(samples, bool(config.command_arguments.get("score_json"))):
         print(line)
     return 0

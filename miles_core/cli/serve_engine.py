@@ -6,14 +6,28 @@ loads the model in the background; ``GET /health`` answers 200 when it is ready.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from miles_core.cli.model_options import add_model_options, device_and_dtype, family_name
 from miles_core.config.parser import OneLineParser
+from miles_core.engine.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_OUTPUTS,
+    FALLBACK_MAX_STEPS,
+    VIDEO_REFERENCE_FRAMES,
+    WORK_OUTPUTS,
+    WORK_STEPS,
+)
+from miles_core.engine.limits import FLAGS as LIMIT_FLAGS
 from miles_core.plugin_manager import get_host
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def _buffer_default() -> int:
@@ -28,14 +42,62 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: 0, a free port)")
     parser.add_argument(
-        "--update-weight-buffer-size", type=int, default=_buffer_default(), metavar="BYTES",
+        "--update-weight-buffer-size",
+        type=int,
+        default=_buffer_default(),
+        metavar="BYTES",
         help="largest weight-update bucket clients send, in bytes; request bodies up to twice this plus 16 MiB "
-             "are accepted (default: %(default)s)",
+        "are accepted (default: %(default)s)",
+    )
+    limits = parser.add_argument_group(
+        "request limits",
+        "The most one POST /rollout/generate may ask for; over a limit the server answers 400 (a field) or 413 "
+        "(the total work, or the body) naming the limit and the flag that raises it. Unset: derived from the "
+        "model's default output (see docs/engine.md, Limits).",
+    )
+    limits.add_argument(
+        "--max-outputs-per-request", type=int, metavar="N", help=f"largest num_outputs_per_prompt (default: {DEFAULT_MAX_OUTPUTS})"
+    )
+    limits.add_argument(
+        "--max-inference-steps",
+        type=int,
+        metavar="N",
+        help=f"largest num_inference_steps (default: the scheduler's num_train_timesteps, {FALLBACK_MAX_STEPS} when it has none)",
+    )
+    limits.add_argument(
+        "--max-resolution",
+        type=int,
+        metavar="PIXELS",
+        help="largest width or height (default: twice the larger side of the model's default output)",
+    )
+    limits.add_argument(
+        "--max-num-frames",
+        type=int,
+        metavar="N",
+        help="largest num_frames (default: 1 for an image model; for a video model twice its default "
+        f"clip, that clip counted as at least {VIDEO_REFERENCE_FRAMES} frames)",
+    )
+    limits.add_argument(
+        "--max-request-work",
+        type=int,
+        metavar="N",
+        help="largest outputs x frames x height x width x steps (default: "
+        f"{WORK_OUTPUTS} outputs x {WORK_STEPS} steps of the default output, its clip counted "
+        "as for --max-num-frames)",
+    )
+    limits.add_argument(
+        "--max-generate-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="largest POST /rollout/generate body (default: %(default)s)",
     )
     return parser
 
 
-def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
+def parse_args(argv: Sequence[str], prog: str = "miles-core serve-engine") -> tuple[argparse.Namespace, str]:
+    """The checked arguments and the model family to serve; a bad argument exits with
+    status 2 and a one-line error."""
     registry = get_host().registries.model_family
     parser = build_parser(registry.names(), prog)
     args = parser.parse_args(list(argv))
@@ -43,10 +105,19 @@ def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
         parser.error(f"--port {args.port}: must be in [0, 65535]")
     if args.update_weight_buffer_size < 1:
         parser.error(f"--update-weight-buffer-size {args.update_weight_buffer_size}: must be at least 1")
+    for name in (*LIMIT_FLAGS, "max_generate_body_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
     try:
         family = family_name(args.hf_checkpoint, args.diffusion_model_family, registry)
     except ValueError as exc:
         parser.error(str(exc))
+    return args, family
+
+
+def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
+    args, family = parse_args(argv, prog)
     try:
         return asyncio.run(_serve(args, family))
     except OSError as exc:  # the address is taken or cannot be bound
@@ -54,21 +125,35 @@ def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
         return 1
 
 
-async def _serve(args, family: str) -> int:
-
+def build_app(args: argparse.Namespace, family: str, on_load_error: Callable[[BaseException], None] | None = None) -> web.Application:
+    """The server application of parsed ``serve-engine`` arguments; it loads the model
+    in the background once it starts."""
     from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.engine.server import create_app, start_server
+    from miles_core.engine.server import create_app
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+
+    def load() -> EmbeddedEngine:
+        return EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family, device=device, dtype=dtype)
+
+    return create_app(
+        load,
+        update_weight_buffer_size=args.update_weight_buffer_size,
+        on_load_error=on_load_error,
+        limits={name: getattr(args, name) for name in LIMIT_FLAGS},
+        max_generate_body_bytes=args.max_generate_body_bytes,
+    )
+
+
+async def _serve(args: argparse.Namespace, family: str) -> int:
+    from miles_core.engine.server import start_server
     from miles_core.quiet import quiet_hub_libraries
 
     quiet_hub_libraries()
 
-    device, dtype = device_and_dtype(args.device, args.dtype)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     status = {"code": 0}
-
-    def load() -> EmbeddedEngine:
-        return EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family, device=device, dtype=dtype)
 
     def failed(exc: BaseException) -> None:
         print(f"miles-core serve-engine: error: loading {args.hf_checkpoint} as {family} failed: {exc}", file=sys.stderr)
@@ -77,8 +162,7 @@ async def _serve(args, family: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(load, update_weight_buffer_size=args.update_weight_buffer_size, on_load_error=failed)
-    server = await start_server(app, args.host, args.port)
+    server = await start_server(build_app(args, family, failed), args.host, args.port)
     print(f"serving {family} {args.hf_checkpoint} on {server.url}", file=sys.stderr, flush=True)
     try:
         await stop.wait()

@@ -10,8 +10,9 @@ HTTP client, weight sync and fault tolerance work on either.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from miles_core.cluster.runtime import task_result
 
@@ -38,8 +39,7 @@ class EngineHost:
 
         self.stop()
         args = [*self.args, "--device", model_device(), "--host", ray.util.get_node_ip_address()]
-        self.engine = start_engine(self.checkpoint, *args, log_path=self.log_path, timeout=timeout, healthy=True,
-                                   threads=None)
+        self.engine = start_engine(self.checkpoint, *args, log_path=self.log_path, timeout=timeout, healthy=True, threads=None)
         return self.engine.url
 
     def pid(self) -> int | None:
@@ -80,8 +80,7 @@ class RayEngineFleet:
         actor = ray.remote(EngineHost)
         log_paths = [Path(log_dir) / f"engine_{index}.log" for index in range(len(plan.engines))]
         hosts = [
-            actor.options(**runtime.options(bundles[0], plan.engine_share)).remote(
-                str(config.hf_checkpoint), args, str(log_paths[index]))
+            actor.options(**runtime.options(bundles[0], plan.engine_share)).remote(str(config.hf_checkpoint), args, str(log_paths[index]))
             for index, bundles in enumerate(plan.engines)
         ]
         fleet = cls(hosts, [], log_paths)

@@ -23,9 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class PlacementError(ValueError):
-    """Cluster flags that describe an impossible placement."""
+from miles_core.errors import PlacementError
 
 
 @dataclass(frozen=True)
@@ -125,8 +123,16 @@ def plan_placement(config: Any, *, gpus: bool, engines: int = 0, reward_worker: 
     # Colocated roles split a device as the reference does: train 0.7, rollout 0.25, reward 0.05.
     train_share = 0.7 if colocate and engine_bundles else 1.0
     engine_share = 0.25 if colocate else 1.0
-    return PlacementPlan(bundles=bundles, train=train, engines=engine_bundles, reward=reward, device=device,
-                         train_share=train_share, engine_share=engine_share, reward_share=reward_share)
+    return PlacementPlan(
+        bundles=bundles,
+        train=train,
+        engines=engine_bundles,
+        reward=reward,
+        device=device,
+        train_share=train_share,
+        engine_share=engine_share,
+        reward_share=reward_share,
+    )
 
 
 __all__ = ["PlacementError", "PlacementPlan", "plan_placement"]

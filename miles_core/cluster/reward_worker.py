@@ -9,7 +9,8 @@ here, unchanged)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from miles_core.cluster.runtime import task_result, task_value
 

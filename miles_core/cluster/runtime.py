@@ -12,25 +12,21 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from miles_core.cluster.placement import PlacementPlan, plan_placement
+from miles_core.errors import ClusterError
 
 READY_TIMEOUT = 120.0
 """Seconds to wait for the placement group's bundles before giving up."""
-
-
-class ClusterError(RuntimeError):
-    """Ray is missing, unreachable, or cannot place the run."""
 
 
 def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ClusterError(
-            "--use-ray needs Ray, which is not installed here: pip install 'miles-core[ray]' (ray==2.60.0)"
-        ) from None
+        raise ClusterError("--use-ray needs Ray, which is not installed here: pip install 'miles-core[ray]' (ray==2.60.0)") from None
     return ray
 
 
@@ -71,8 +67,9 @@ class RayRuntime:
         self.started_here = started_here
 
     @classmethod
-    def start(cls, config: Any, *, engines: int = 0, reward_worker: bool = False,
-              log: Callable[[str], None] = lambda line: None) -> RayRuntime:
+    def start(
+        cls, config: Any, *, engines: int = 0, reward_worker: bool = False, log: Callable[[str], None] = lambda line: None
+    ) -> RayRuntime:
         """Connect (or start a local Ray), then reserve the run's placement group; a
         :class:`ClusterError` names what is missing when it cannot be placed."""
         from miles_core.machine import visible_gpu_count
@@ -89,12 +86,10 @@ class RayRuntime:
             # A local instance has this machine's devices; logical CPUs: enough for the
             # placement even on a 2-core machine.
             plan = plan_placement(config, gpus=visible_gpu_count() > 0, engines=engines, reward_worker=reward_worker)
-            ray.init(num_cpus=max(math.ceil(plan.cpus), os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True)
+            ray.init(num_cpus=max(math.ceil(plan.cpus), os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
         if plan is None:  # a running cluster: its own devices
             try:
-                plan = plan_placement(config, gpus=ray.cluster_resources().get("GPU", 0) > 0, engines=engines,
-                                      reward_worker=reward_worker)
+                plan = plan_placement(config, gpus=ray.cluster_resources().get("GPU", 0) > 0, engines=engines, reward_worker=reward_worker)
             except ValueError:
                 if started_here:
                     ray.shutdown()
@@ -122,7 +117,8 @@ class RayRuntime:
 
         options: dict[str, Any] = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.group, placement_group_bundle_index=bundle,
+                placement_group=self.group,
+                placement_group_bundle_index=bundle,
             ),
             "num_cpus": share,
             "num_gpus": share if self.plan.device == "GPU" and "GPU" in self.plan.bundles[bundle] else 0,

@@ -4,7 +4,8 @@ engine servers the run starts); :meth:`RaySession.close` releases them all, in r
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from miles_core.cluster.runtime import RayRuntime
 
@@ -18,8 +19,7 @@ class RaySession:
         self._closers: list[Callable[[], None]] = []
 
     @classmethod
-    def start(cls, config: Any, *, engines: int, reward_worker: bool,
-              log: Callable[[str], None] = lambda line: None) -> RaySession:
+    def start(cls, config: Any, *, engines: int, reward_worker: bool, log: Callable[[str], None] = lambda line: None) -> RaySession:
         """Connect and reserve the placement for ``engines`` servers the run starts and,
         with ``reward_worker``, the reward worker."""
         return cls(config, RayRuntime.start(config, engines=engines, reward_worker=reward_worker, log=log))

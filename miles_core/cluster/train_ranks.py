@@ -15,7 +15,8 @@ collective, so every call that gathers or loads goes to all ranks at once.
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from miles_core.cluster.runtime import RayRuntime, task_result
 
@@ -43,10 +44,10 @@ class TrainRank:
         number of trainable parameters this rank holds a shard of."""
         import torch
 
+        from miles_core.engine.factory import sde_backend
         from miles_core.model_loading import load_family
         from miles_core.plugin_manager import get_host
         from miles_core.training.fsdp import init_from_config
-        from miles_core.training.run import _backend
         from miles_core.training.trainer import Trainer
 
         config = self.config
@@ -55,7 +56,7 @@ class TrainRank:
         if config.deterministic_mode:
             torch.use_deterministic_algorithms(True)
         loss_fn = get_host().registries.loss.get(config.loss_type).load()
-        self.trainer = Trainer(load_family(config), config, _backend(config), loss_fn, dp_rank=self.rank)
+        self.trainer = Trainer(load_family(config), config, sde_backend(config), loss_fn, dp_rank=self.rank)
         return len(self.trainer.parameters)
 
     def train_rollout(self, samples: Sequence[Any], advantages: Any, lr_at: Any) -> tuple[dict[str, Any], list, int]:
@@ -154,8 +155,7 @@ class RayTrainer:
         env = {str(k): str(v) for k, v in (config.train_env_vars or {}).items()}
         actor = ray.remote(TrainRank)
         self.ranks = [
-            actor.options(**runtime.options(runtime.plan.train[rank], runtime.plan.train_share, env)).remote(
-                config, rank, world)
+            actor.options(**runtime.options(runtime.plan.train[rank], runtime.plan.train_share, env)).remote(config, rank, world)
             for rank in range(world)
         ]
         try:

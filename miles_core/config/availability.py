@@ -45,8 +45,7 @@ def hardware_notes(config: Config) -> list[str]:
                 if not gpus
                 else "without --use-ray the trainer is one process and places no work on several GPUs"
             )
-            notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, "
-                         "so it has no effect")
+            notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, so it has no effect")
     if config.sglang_args and config.get("rollout_engine") != "sglang":
         notes.append(
             f"{' '.join(config.sglang_args)}: --sglang-* arguments are passed to sglang-diffusion servers only; "
@@ -72,13 +71,17 @@ def unavailable_errors(config: Config) -> list[str]:
     return errors
 
 
-RAY_PLACEMENT_FLAGS = ("--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--num-gpus-per-node", "--colocate",
-                       "--colocate-reward")
+RAY_PLACEMENT_FLAGS = ("--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--num-gpus-per-node", "--colocate", "--colocate-reward")
 """Hardware-only flags that size the placement group of a ``--use-ray`` run (CPUs stand
 in for GPUs where there are none)."""
 
-DISTRIBUTED_FLAGS = ("--distributed-backend", "--distributed-timeout-minutes", "--dp-replicate-size",
-                     "--fsdp-reduce-dtype", "--fsdp-master-dtype")
+DISTRIBUTED_FLAGS = (
+    "--distributed-backend",
+    "--distributed-timeout-minutes",
+    "--dp-replicate-size",
+    "--fsdp-reduce-dtype",
+    "--fsdp-master-dtype",
+)
 """Hardware-only flags of the torch.distributed group, in effect with several training ranks."""
 
 
@@ -107,8 +110,7 @@ _LOSS_ONLY: dict[str, tuple[str, ...]] = {
 }
 
 
-_EVAL_SETTINGS = ("eval_prompt_data", "eval_input_key", "n_samples_per_eval_prompt", "diffusion_eval_num_steps",
-                  "skip_eval_before_train")
+_EVAL_SETTINGS = ("eval_prompt_data", "eval_input_key", "n_samples_per_eval_prompt", "diffusion_eval_num_steps", "skip_eval_before_train")
 
 
 def loss_is(config: Config, name: str) -> bool:
@@ -119,13 +121,10 @@ def conflicting_flags(config: Config) -> list[str]:
     """Combinations where a flag the user set would do nothing and the intent is
     ambiguous: errors, so the run does not quietly do something else."""
     errors = [
-        f"{config.flag(dest).name} requires --use-lora (without it the whole model is fine-tuned and LoRA settings "
-        "do nothing)"
+        f"{config.flag(dest).name} requires --use-lora (without it the whole model is fine-tuned and LoRA settings do nothing)"
         for dest in _LORA_SETTINGS
         if not config.get("use_lora") and _set_away_from_default(config, dest)
     ]
-    if config.get("debug_rollout_only") and loss_is(config, "sft_loss"):
-        errors.append("--debug-rollout-only: --loss-type sft_loss has no rollouts, only training on --prompt-data rows")
     if config.get("custom_rm_path") and config.is_user_set("rm_type") and config.get("rm_type") is not None:
         errors.append(
             f"--rm-type {config.get('rm_type')} and --custom-rm-path {config.get('custom_rm_path')} are mutually "
@@ -141,58 +140,79 @@ def inert_notes(config: Config) -> list[str]:
     if loss != "custom_loss":
         for dest, losses in _LOSS_ONLY.items():
             if loss not in losses and _set_away_from_default(config, dest):
-                notes.append(f"{_shown(config, dest)} has no effect with --loss-type {loss} (read by "
-                             f"{' and '.join(losses)} only)")
-    if (
-        config.get("ref_mode") is not None and config.is_user_set("ref_mode") and loss != "nft"
-        and not config.get("diffusion_kl_beta")
-    ):
-        notes.append(f"--ref-mode {config.get('ref_mode')} has no effect: with --diffusion-kl-beta 0 no KL term "
-                     "compares against the reference")
+                notes.append(f"{_shown(config, dest)} has no effect with --loss-type {loss} (read by {' and '.join(losses)} only)")
+    if config.get("ref_mode") is not None and config.is_user_set("ref_mode") and loss != "nft" and not config.get("diffusion_kl_beta"):
+        notes.append(
+            f"--ref-mode {config.get('ref_mode')} has no effect: with --diffusion-kl-beta 0 no KL term compares against the reference"
+        )
     if _set_away_from_default(config, "diffusion_train_iter_order"):
         if config.get("micro_batch_size_sample") is None:
-            notes.append(f"{_shown(config, 'diffusion_train_iter_order')} has no effect without the 2-D tile "
-                         "(--micro-batch-size-sample and --micro-batch-size-tstep)")
+            notes.append(
+                f"{_shown(config, 'diffusion_train_iter_order')} has no effect without the 2-D tile "
+                "(--micro-batch-size-sample and --micro-batch-size-tstep)"
+            )
         elif loss in ("nft", "sft_loss"):
-            notes.append(f"{_shown(config, 'diffusion_train_iter_order')} has no effect with --loss-type {loss}: "
-                         "its micro-batches are flat")
+            notes.append(
+                f"{_shown(config, 'diffusion_train_iter_order')} has no effect with --loss-type {loss}: its micro-batches are flat"
+            )
     if config.get("eval_interval") is None:
         unused = [config.flag(dest).name for dest in _EVAL_SETTINGS if _set_away_from_default(config, dest)]
         if unused:
-            notes.append(f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
-                         f"{'they have' if len(unused) > 1 else 'it has'} no effect")
-    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32" \
-            and config.world_size == 1:
-        notes.append(f"--diffusion-forward-dtype {config.get('diffusion_forward_dtype')}: the trained parameters and "
-                     "the optimizer state are in that dtype too in a one-rank run (fp32 master weights, "
-                     "--fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with world size > 1)")
+            notes.append(
+                f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
+                f"{'they have' if len(unused) > 1 else 'it has'} no effect"
+            )
+    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32" and config.world_size == 1:
+        notes.append(
+            f"--diffusion-forward-dtype {config.get('diffusion_forward_dtype')}: the trained parameters and "
+            "the optimizer state are in that dtype too in a one-rank run (fp32 master weights, "
+            "--fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with world size > 1)"
+        )
     if config.get("diffusion_debug_mode") and loss in ("nft", "sft_loss"):
-        notes.append(f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
-                     "policy loss's recomputed log-probs with the engine's")
+        notes.append(
+            f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
+            "policy loss's recomputed log-probs with the engine's"
+        )
     if loss == "sft_loss":
-        dumps = [config.flag(d).name for d in ("save_debug_rollout_data", "save_debug_train_data", "dump_details")
-                 if config.is_user_set(d) and config.get(d)]
+        dumps = [
+            config.flag(d).name
+            for d in ("save_debug_rollout_data", "save_debug_train_data", "dump_details")
+            if config.is_user_set(d) and config.get(d)
+        ]
         if dumps:
-            notes.append(f"{', '.join(dumps)}: --loss-type sft_loss has no rollouts to dump, so "
-                         f"{'they have' if len(dumps) > 1 else 'it has'} no effect")
+            notes.append(
+                f"{', '.join(dumps)}: --loss-type sft_loss has no rollouts to dump, so "
+                f"{'they have' if len(dumps) > 1 else 'it has'} no effect"
+            )
     elif config.get("debug_rollout_only") and config.is_user_set("save_debug_train_data"):
         notes.append("--save-debug-train-data has no effect with --debug-rollout-only: nothing is trained")
     if not config.get("use_wandb"):
-        unused = [config.flag(d).name for d in config
-                  if d.startswith("wandb_") or d == "disable_wandb_random_suffix"
-                  if _set_away_from_default(config, d)]
+        unused = [
+            config.flag(d).name
+            for d in config
+            if d.startswith("wandb_") or d == "disable_wandb_random_suffix"
+            if _set_away_from_default(config, d)
+        ]
         if unused:
-            notes.append(f"{', '.join(unused)}: wandb logging is off without --use-wandb, so "
-                         f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+            notes.append(
+                f"{', '.join(unused)}: wandb logging is off without --use-wandb, so "
+                f"{'they have' if len(unused) > 1 else 'it has'} no effect"
+            )
     if config.get("lora_ipc_weight_sync") and config.get("rollout_engine") == "embedded":
-        notes.append("--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the "
-                     "trained module, so no weights are sent")
+        notes.append(
+            "--lora-ipc-weight-sync has no effect with --rollout-engine embedded: the engine shares the "
+            "trained module, so no weights are sent"
+        )
     notes.extend(_fault_tolerance_notes(config))
     return notes
 
 
-_HEALTH_CHECK_SETTINGS = ("rollout_health_check_interval", "rollout_health_check_timeout",
-                          "rollout_health_check_first_wait", "miles_router_health_check_failure_threshold")
+_HEALTH_CHECK_SETTINGS = (
+    "rollout_health_check_interval",
+    "rollout_health_check_timeout",
+    "rollout_health_check_first_wait",
+    "miles_router_health_check_failure_threshold",
+)
 
 
 def _fault_tolerance_notes(config: Config) -> list[str]:
@@ -201,13 +221,19 @@ def _fault_tolerance_notes(config: Config) -> list[str]:
     notes = []
     unused = [config.flag(dest).name for dest in _HEALTH_CHECK_SETTINGS if _set_away_from_default(config, dest)]
     if unused and not config.get("use_fault_tolerance"):
-        notes.append(f"{', '.join(unused)}: the engine health checks run only under --use-fault-tolerance, so "
-                     f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+        notes.append(
+            f"{', '.join(unused)}: the engine health checks run only under --use-fault-tolerance, so "
+            f"{'they have' if len(unused) > 1 else 'it has'} no effect"
+        )
     engine = config.get("rollout_engine")
     if engine == "embedded" and config.get("use_fault_tolerance"):
-        notes.append("--use-fault-tolerance has no effect with --rollout-engine embedded: the engine runs in the "
-                     "trainer's process, with no server to health-check or restart")
+        notes.append(
+            "--use-fault-tolerance has no effect with --rollout-engine embedded: the engine runs in the "
+            "trainer's process, with no server to health-check or restart"
+        )
     if engine == "embedded" and config.get("miles_router_timeout") is not None:
-        notes.append(f"{_shown(config, 'miles_router_timeout')}: no effect with --rollout-engine embedded (it bounds "
-                     "the requests of --rollout-engine http and sglang)")
+        notes.append(
+            f"{_shown(config, 'miles_router_timeout')}: no effect with --rollout-engine embedded (it bounds "
+            "the requests of --rollout-engine http and sglang)"
+        )
     return notes

@@ -11,8 +11,8 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.model import FlagEntry
+from miles_core.errors import ConfigError
 
 
 def load_config_file(path: str, entries: dict[str, FlagEntry]) -> dict[str, Any]:
@@ -43,7 +43,8 @@ def load_config_file(path: str, entries: dict[str, FlagEntry]) -> dict[str, Any]
         if entry is None:
             hint = difflib.get_close_matches(dest, list(entries), n=1)
             errors.append(
-                f"{where}: unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                f"{where}: unknown key {key!r}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
                 + "; keys are flag names such as rollout_batch_size"
             )
             continue

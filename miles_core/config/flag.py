@@ -8,8 +8,10 @@ parser, the typed configuration, the YAML loader and ``docs/cli.md`` are all bui
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Callable
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 GROUPS: dict[str, str] = {
     "general": "General",
@@ -90,6 +92,76 @@ PYTHON_TYPES: dict[str, str] = {
 }
 
 
+NUMERIC_TYPES: dict[str, bool] = {"int": True, "float": False, "int_list": True, "int_pair": True}
+"""Flag types that take a :attr:`Flag.range`: type -> whether the values are integers."""
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """An interval of valid values, written as in mathematics: ``[1, inf)``, ``(0, 1]``,
+    ``(-inf, inf)``. ``[``/``]`` include a bound, ``(``/``)`` exclude it; an infinite
+    bound is excluded by ``(-inf``/``inf)`` (the values must be finite) and included by
+    ``[-inf``/``inf]``. NaN is never in a range."""
+
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+    low_text: str
+    high_text: str
+
+    @classmethod
+    def parse(cls, text: str) -> ValueRange:
+        """Parse ``text``; a malformed or empty interval raises ``ValueError``."""
+        stripped = text.strip()
+        if len(stripped) < 5 or stripped[0] not in "[(" or stripped[-1] not in ")]" or stripped.count(",") != 1:
+            raise ValueError(f"range {text!r} is not an interval like '[1, inf)' or '(0, 1]'")
+        low_text, high_text = (part.strip() for part in stripped[1:-1].split(","))
+        try:
+            low, high = float(low_text), float(high_text)
+        except ValueError:
+            raise ValueError(f"range {text!r}: bounds must be numbers, inf or -inf") from None
+        if math.isnan(low) or math.isnan(high):
+            raise ValueError(f"range {text!r}: bounds must be numbers, inf or -inf")
+        if low == math.inf or high == -math.inf:
+            raise ValueError(f"range {text!r}: the low bound must be below inf and the high bound above -inf")
+        value_range = cls(low, high, stripped[0] == "[", stripped[-1] == "]", low_text, high_text)
+        if low > high or (low == high and not (value_range.low_closed and value_range.high_closed)):
+            raise ValueError(f"range {text!r} is empty")
+        return value_range
+
+    def __str__(self) -> str:
+        return f"{'[' if self.low_closed else '('}{self.low_text}, {self.high_text}{']' if self.high_closed else ')'}"
+
+    def __contains__(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def rule(self, value: float) -> str:
+        """What ``value``, outside the range, breaks, as ``must ...``, in the wording of
+        the configuration's other one-line errors: ``must be at least 1``, ``must not be
+        negative``, ``must be positive``, ``must be in (0, 1]``; ``must be a finite number
+        > 0`` for NaN or an infinity where the range is finite."""
+        low_open, high_open = not self.low_closed, not self.high_closed
+        if math.isinf(self.low) and math.isinf(self.high):
+            return "must be a finite number" if low_open and high_open else "must be a number"
+        finite = math.isfinite(value)
+        if self.high == math.inf and high_open:  # a lower bound only
+            if not finite:
+                return f"must be a finite number {'>' if low_open else '>='} {self.low_text}"
+            if self.low == 0:
+                return "must be positive" if low_open else "must not be negative"
+            return f"must be greater than {self.low_text}" if low_open else f"must be at least {self.low_text}"
+        if self.low == -math.inf and low_open:  # an upper bound only
+            if not finite:
+                return f"must be a finite number {'<' if high_open else '<='} {self.high_text}"
+            return f"must be less than {self.high_text}" if high_open else f"must be at most {self.high_text}"
+        return f"must be in {self}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Flag:
     """One command-line flag.
@@ -130,6 +202,14 @@ class Flag:
     unavailable: str | None = None
     """Why the flag is not available in this version: a non-default value is an error
     for ``train`` (a warning for ``config``)."""
+    range: str | None = None
+    """Valid values of a numeric flag (of each item, for a list or a pair), as a
+    :class:`ValueRange` interval: ``"[1, inf)"`` (integers from 1), ``"(0, 1]"``,
+    ``"(-inf, inf)"`` (any finite number). Every numeric flag declares one; the
+    configuration refuses a value outside it, whichever flags go with it. An integer
+    flag's finite bounds are integers, written closed (``[1, inf)``, not ``(0, inf)``)."""
+    value_range: ValueRange | None = field(init=False, repr=False, compare=False, default=None)
+    """:attr:`range`, parsed."""
 
     def __post_init__(self) -> None:
         if not self.name.startswith("--") or self.name != self.name.lower() or "_" in self.name:
@@ -142,6 +222,45 @@ class Flag:
             raise ValueError(f"flag {self.name}: reference_default and differs go together")
         if self.hardware and self.unavailable:
             raise ValueError(f"flag {self.name}: hardware-only and unavailable are exclusive")
+        if self.range is not None:
+            object.__setattr__(self, "value_range", self._parse_range(self.range))
+
+    def _parse_range(self, text: str) -> ValueRange:
+        if self.type not in NUMERIC_TYPES:
+            raise ValueError(f"flag {self.name}: a range applies to numeric flags ({', '.join(NUMERIC_TYPES)}), not {self.type}")
+        try:
+            value_range = ValueRange.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"flag {self.name}: {exc}") from None
+        if NUMERIC_TYPES[self.type]:
+            for bound, closed in ((value_range.low, value_range.low_closed), (value_range.high, value_range.high_closed)):
+                if math.isfinite(bound) and not (bound.is_integer() and closed):
+                    raise ValueError(f"flag {self.name}: range {text!r}: an integer flag's finite bounds are closed integers")
+        default = self.default
+        items = default if isinstance(default, (list, tuple)) else [] if default is None else [default]
+        for item in items:
+            if item not in value_range:
+                raise ValueError(f"flag {self.name}: default {default!r} is outside its range {text}")
+        return value_range
+
+    @property
+    def integer(self) -> bool:
+        """Whether the flag's values (or items) are integers."""
+        return NUMERIC_TYPES.get(self.type, False)
+
+    def range_error(self, value: Any) -> str | None:
+        """``--flag VALUE: must ...`` when ``value`` (a converted value of this flag) is
+        outside :attr:`range`; None when it is inside, unset or the flag has no range."""
+        if self.value_range is None or value is None:
+            return None
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        outside = [item for item in items if item not in self.value_range]
+        if not outside:
+            return None
+        if len(items) == 1 and not isinstance(value, (list, tuple)):
+            return f"{self.name} {value}: {self.value_range.rule(value)}"
+        shown = ",".join(str(item) for item in items)
+        return f"{self.name} {shown}: each value {self.value_range.rule(outside[0])}"
 
     @property
     def dest(self) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from miles_core.config.flag import PYTHON_TYPES, Flag
 from miles_core.registry import PluginInfo, Registration

@@ -8,12 +8,13 @@ knows, for every value, whether the user set it.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from miles_core.config.errors import ConfigError
 from miles_core.config.flag import GROUPS, Flag
 from miles_core.config.model import FlagEntry
 from miles_core.config.reference_flags import FLAGS
+from miles_core.errors import ConfigError
 from miles_core.registry import PluginInfo, Registries
 
 SGLANG_PREFIX = "--sglang-"
@@ -48,8 +49,7 @@ def flag_entries(plugin_flags: Sequence[Any] = ()) -> dict[str, FlagEntry]:
         existing = entries.get(owned.flag.dest)
         if existing is not None:
             raise ConfigError(
-                f"{owned.flag.name} is defined by both {existing.owner} and {owned.owner}; "
-                "disable one of them (MILES_DISABLED_PLUGINS)"
+                f"{owned.flag.name} is defined by both {existing.owner} and {owned.owner}; disable one of them (MILES_DISABLED_PLUGINS)"
             )
         entries[owned.flag.dest] = FlagEntry(owned.flag, owned.owner)
     return entries
@@ -138,7 +138,10 @@ def split_sglang_args(unknown: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_command_line(
-    argv: Sequence[str], entries: dict[str, FlagEntry], registries: Registries, prog: str,
+    argv: Sequence[str],
+    entries: dict[str, FlagEntry],
+    registries: Registries,
+    prog: str,
     extend: Callable[[OneLineParser], Sequence[str]] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Return ``(values the user typed, keyed by dest; --sglang-* pass-through args)``.
@@ -157,5 +160,3 @@ def parse_command_line(
     if extend:
         typed["__command__"] = {dest: typed.pop(dest, None) for dest in own}
     return typed, passthrough
-
-

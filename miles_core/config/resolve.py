@@ -3,30 +3,34 @@
 Order: parse the command line; apply ``--custom-config-path``; fill defaults; resolve
 ``auto`` values from the machine, the model family and its defaults, the batch knobs,
 the selected components and dotted-path flags; check the reference's rules; run each
-plugin's validation hook. Nothing heavy is imported: families are matched by name and
-read from JSON files only.
+plugin's validation hook. Nothing heavy is imported: families are matched from the
+checkpoint's JSON files and name (:mod:`miles_core.family_match`).
 """
 
 from __future__ import annotations
 
-import fnmatch
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
-from miles_core.config.errors import ConfigError
 from miles_core.config.model import Component, Config, Source
 from miles_core.config.parser import flag_entries, parse_command_line
+from miles_core.errors import ComponentLoadError, ConfigError, FamilyMatchError, PathFlagError
+from miles_core.family_match import checkpoint_problem, match_family
 from miles_core.machine import visible_gpu_count
 from miles_core.plugin_manager import PluginHost, get_host
-from miles_core.refs import PathFlagError, resolve_path_flag
+from miles_core.refs import resolve_path_flag
 from miles_core.specs import FAMILY_GENERATION_OPTIONS
-from miles_core.registry import ComponentLoadError
 
 
 def resolve_config(
-    argv: Sequence[str], *, host: PluginHost | None = None, prog: str = "miles-core config", scope: str = "train",
+    argv: Sequence[str],
+    *,
+    host: PluginHost | None = None,
+    prog: str = "miles-core config",
+    scope: str = "train",
     extend: Callable[[Any], Sequence[str]] | None = None,
 ) -> Config:
     """Parse, resolve and validate; raise :class:`ConfigError` listing every violation.
@@ -66,41 +70,22 @@ def resolve_config(
     return config
 
 
-class FamilyMatchError(ValueError):
-    """A checkpoint name that matches no installed family, or several."""
-
-
-def match_family(checkpoint: str | Path, registry: Any) -> Any:
-    """The ``model_family`` registration whose name patterns match ``checkpoint``
-    (case-insensitive substrings, ``fnmatch`` wildcards allowed); raise
-    :class:`FamilyMatchError` when none or several match."""
-    haystack = str(checkpoint).lower()
-    matches = [
-        reg for reg in registry
-        if any(fnmatch.fnmatch(haystack, f"*{pattern.lower()}*") for pattern in reg.spec.checkpoint_patterns)
-    ]
-    if len(matches) > 1:
-        raise FamilyMatchError(
-            f"--hf-checkpoint {checkpoint}: matches the name patterns of several families "
-            f"({', '.join(m.name for m in matches)}); pass --diffusion-model-family"
-        )
-    if not matches:
-        raise FamilyMatchError(
-            f"--hf-checkpoint {checkpoint}: no installed model family matches its name "
-            f"(installed: {', '.join(registry.names()) or 'none'}); pass --diffusion-model-family"
-            + (f"; plugins that failed to load: {'; '.join(registry.unavailable)}" if registry.unavailable else "")
-        )
-    return matches[0]
-
-
 class _Resolver:
     def __init__(self, config: Config, host: PluginHost) -> None:
         self.config = config
         self.host = host
         self.errors: list[str] = []
+        self.out_of_range: set[str] = set()
+        """Dests whose value is outside the flag's declared range (already reported)."""
 
     def v(self, dest: str) -> Any:
         return self.config.get(dest)
+
+    def trains_on(self) -> str | None:
+        """What ``--loss-type`` trains on (:data:`~miles_core.specs.TRAINING_DATA`); None
+        for a loss no plugin registered (reported on its own)."""
+        spec = registry_spec(self.host, "loss", self.v("loss_type"))
+        return spec.trains_on if spec is not None else None
 
     def name(self, dest: str) -> str:
         return self.config.flag(dest).name
@@ -109,6 +94,7 @@ class _Resolver:
         self.errors.append(message)
 
     def run(self, scope: str = "train") -> None:
+        self.check_declared_ranges()
         self.resolve_machine()
         self.resolve_registry_choices()
         if scope == "train":
@@ -134,6 +120,7 @@ class _Resolver:
 
     def resolve_machine(self) -> None:
         c = self.config
+        machine_errors = len(self.errors)
         gpus = visible_gpu_count()
         for dest in ("actor_num_gpus_per_node", "num_gpus_per_node"):
             value = self.v(dest)
@@ -156,27 +143,26 @@ class _Resolver:
         for dest, value in auto_values.items():
             if self.v(dest) == "auto":
                 c.set(dest, value, Source.MACHINE)
-        if self.v("actor_num_nodes") < 1:
-            self.fail(f"--actor-num-nodes {self.v('actor_num_nodes')}: must be at least 1")
         if self.v("diffusion_generator_device") == "cuda":
-            self.fail("--diffusion-generator-device cuda: this version draws every output's noise with a CPU "
-                      "generator, so the same seed gives the same latents on any device; use cpu (or auto)")
-        if not self.errors:
+            self.fail(
+                "--diffusion-generator-device cuda: this version draws every output's noise with a CPU "
+                "generator, so the same seed gives the same latents on any device; use cpu (or auto)"
+            )
+        if len(self.errors) == machine_errors and "actor_num_nodes" not in self.out_of_range:
             world = self.v("actor_num_nodes") * self.v("actor_num_gpus_per_node")
             sp = self.v("sequence_parallel_size")
             c.world_size = world
-            if sp < 1 or world % sp:
+            if "sequence_parallel_size" in self.out_of_range:
+                return
+            if world % sp:
                 self.fail(
                     f"--sequence-parallel-size {sp} must divide the train world size {world} "
                     "(--actor-num-nodes x --actor-num-gpus-per-node)"
                 )
             else:
                 c.data_parallel_size = world // sp
-            if self.v("dp_replicate_size") < 1 or c.data_parallel_size % self.v("dp_replicate_size"):
-                self.fail(
-                    f"--dp-replicate-size {self.v('dp_replicate_size')} must divide the data-parallel size "
-                    f"{c.data_parallel_size}"
-                )
+            if "dp_replicate_size" not in self.out_of_range and c.data_parallel_size % self.v("dp_replicate_size"):
+                self.fail(f"--dp-replicate-size {self.v('dp_replicate_size')} must divide the data-parallel size {c.data_parallel_size}")
 
     # -- registries ------------------------------------------------------------------
 
@@ -255,12 +241,19 @@ class _Resolver:
             c.set("diffusion_sde_type", spec.default_sde_type if spec else "sde", Source.FAMILY if spec else Source.DERIVED)
         if spec is None:
             return
+        guidance = spec.default_guidance_scale
+        if guidance is None and not spec.supports_cfg_training:
+            guidance = 1.0  # the flag's default samples with CFG, which such a family refuses to train on
+        if guidance is not None and not c.is_user_set("diffusion_guidance_scale"):
+            c.set("diffusion_guidance_scale", float(guidance), Source.FAMILY)
         for option, flag_name in FAMILY_GENERATION_OPTIONS.items():
             dest = flag_name[2:].replace("-", "_")
             default = self.config.flag(dest).default
             if option not in spec.generation_options and self.v(dest) not in (None, default):
-                self.fail(f"{flag_name} {self.v(dest)}: the {spec.name} family does not read it "
-                          f"(it reads {', '.join(FAMILY_GENERATION_OPTIONS[o] for o in spec.generation_options) or 'none of the family-specific generation flags'})")
+                self.fail(
+                    f"{flag_name} {self.v(dest)}: the {spec.name} family does not read it "
+                    f"(it reads {', '.join(FAMILY_GENERATION_OPTIONS[o] for o in spec.generation_options) or 'none of the family-specific generation flags'})"
+                )
         if self.v("lora_target_modules") is None:
             c.set("lora_target_modules", list(spec.lora_target_modules), Source.FAMILY)
         if not c.is_user_set("update_weight_target_module"):
@@ -290,27 +283,29 @@ class _Resolver:
         if rbs is None:
             self.fail("--rollout-batch-size is required: prompts per rollout")
             return
-        if rbs < 1 or n is None or n < 1:
-            self.fail(f"--rollout-batch-size {rbs} and --n-samples-per-prompt {n} must be positive")
-            return
+        if n is None or {"rollout_batch_size", "n_samples_per_prompt"} & self.out_of_range:
+            return  # reported by check_declared_ranges
         total = rbs * n
         gbs, steps = self.v("global_batch_size"), self.v("num_steps_per_rollout")
-        rule = (
-            "rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout "
-            f"({rbs} x {n} = {total})"
-        )
+        rule = f"rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout ({rbs} x {n} = {total})"
         if gbs is not None and steps is not None:
             if gbs * steps != total:
-                self.fail(f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} contradict {rule}: {gbs} x {steps} = {gbs * steps}")
+                self.fail(
+                    f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} contradict {rule}: {gbs} x {steps} = {gbs * steps}"
+                )
                 return
         elif gbs is not None:
-            if gbs < 1 or total % gbs:
+            if "global_batch_size" in self.out_of_range:
+                return
+            if total % gbs:
                 self.fail(f"--global-batch-size {gbs} must divide {rbs} x {n} = {total} samples per rollout ({rule})")
                 return
             c.set("num_steps_per_rollout", total // gbs, Source.DERIVED)
         else:
             steps = 1 if steps is None else steps
-            if steps < 1 or total % steps:
+            if "num_steps_per_rollout" in self.out_of_range:
+                return
+            if total % steps:
                 self.fail(f"--num-steps-per-rollout {steps} must divide {rbs} x {n} = {total} samples per rollout ({rule})")
                 return
             if self.v("num_steps_per_rollout") is None:
@@ -323,16 +318,13 @@ class _Resolver:
         microgroup = self.v("rollout_microgroup_size")
         if microgroup is not None and microgroup > n:
             self.fail(
-                f"--rollout-microgroup-size {microgroup} exceeds --n-samples-per-prompt {n}: "
-                "a microgroup is part of one prompt's group"
+                f"--rollout-microgroup-size {microgroup} exceeds --n-samples-per-prompt {n}: a microgroup is part of one prompt's group"
             )
         mbs_sample, mbs_tstep = self.v("micro_batch_size_sample"), self.v("micro_batch_size_tstep")
         if (mbs_sample is None) != (mbs_tstep is None):
             self.fail("--micro-batch-size-sample and --micro-batch-size-tstep must be set together (a 2-D sample x tstep tile)")
         elif mbs_sample is not None:
-            if mbs_sample < 1 or mbs_tstep < 1:
-                self.fail("--micro-batch-size-sample and --micro-batch-size-tstep must be positive")
-            else:
+            if not {"micro_batch_size_sample", "micro_batch_size_tstep"} & self.out_of_range:
                 c.set("micro_batch_size", mbs_sample * mbs_tstep, Source.DERIVED)
         over = self.v("over_sampling_batch_size")
         if over is not None and over != rbs:
@@ -343,8 +335,12 @@ class _Resolver:
     def resolve_components(self) -> None:
         c = self.config
         registries = self.host.registries
-        for kind, dest in (("loss", "loss_type"), ("sde_backend", "diffusion_sde_type"), ("reward", "rm_type"),
-                           ("rollout_engine", "rollout_engine")):
+        for kind, dest in (
+            ("loss", "loss_type"),
+            ("sde_backend", "diffusion_sde_type"),
+            ("reward", "rm_type"),
+            ("rollout_engine", "rollout_engine"),
+        ):
             name = self.v(dest)
             if name is not None and name in registries[kind]:
                 c.components[kind] = Component.from_registration(registries[kind].get(name))
@@ -403,15 +399,20 @@ class _Resolver:
                 self.config.components["reward"] = Component("reward", label, ", ".join(providers))
         if v("reward_aggregation") == "advantage":
             if v("reward_weights") is None:
-                self.fail("--reward-aggregation advantage requires --reward-weights (it normalises each reward of "
-                          "the mixture within its group)")
+                self.fail(
+                    "--reward-aggregation advantage requires --reward-weights (it normalises each reward of the mixture within its group)"
+                )
             if v("custom_reward_post_process_path") is not None:
-                self.fail("--reward-aggregation advantage and --custom-reward-post-process-path are mutually "
-                          "exclusive (the custom function replaces the normalisation)")
+                self.fail(
+                    "--reward-aggregation advantage and --custom-reward-post-process-path are mutually "
+                    "exclusive (the custom function replaces the normalisation)"
+                )
         unused = [self.name(d) for d in ("eval_reward_key", "eval_rm_type", "eval_reward_weights") if v(d) is not None]
         if unused and v("eval_interval") is None:
-            self.config.notes.append(f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
-                                     f"{'they have' if len(unused) > 1 else 'it has'} no effect")
+            self.config.notes.append(
+                f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
+                f"{'they have' if len(unused) > 1 else 'it has'} no effect"
+            )
 
     # -- debug dumps and replays -------------------------------------------------------
 
@@ -435,7 +436,9 @@ class _Resolver:
                 continue
             if len(paths) == 1:
                 self.fail(f"{self.name(dest)} {template}: the template needs {{}} or {{rollout_id}} for the rollout id")
-        sft = self.v("loss_type") == "sft_loss"
+        sft = self.trains_on() == "supervised_rows"
+        if self.v("debug_rollout_only") and sft:
+            self.fail(f"--debug-rollout-only: --loss-type {self.v('loss_type')} has no rollouts, only training on --prompt-data rows")
         if self.v("load_debug_rollout_data"):
             if sft:
                 self.fail("--load-debug-rollout-data replays RL rollouts; --loss-type sft_loss trains on --prompt-data rows")
@@ -445,9 +448,6 @@ class _Resolver:
                 c.set("train_only", True, Source.DERIVED)
         elif self.v("train_only") and not sft and not self.v("debug_rollout_only"):  # that one: check_rules
             self.fail("--train-only requires --load-debug-rollout-data (the saved rollouts to train on; no engine starts)")
-        fraction = self.v("load_debug_rollout_data_subsample")
-        if fraction is not None and not 0 < fraction <= 1:
-            self.fail(f"--load-debug-rollout-data-subsample {fraction}: must be in (0, 1] (the fraction of groups kept)")
         if self.v("train_only") and not sft and self.v("eval_interval") is not None:
             c.notes.append("--eval-interval is ignored under --train-only: no engine starts to evaluate with")
 
@@ -460,23 +460,28 @@ class _Resolver:
             ("lora_ipc_weight_sync", "use_lora", "--lora-ipc-weight-sync requires --use-lora (it sends only lora_A/lora_B)"),
             ("colocate_reward", "colocate", "--colocate-reward requires --colocate"),
             ("ckpt_step", "load", "--ckpt-step requires --load"),
-            ("load_debug_rollout_data_subsample", "load_debug_rollout_data",
-             "--load-debug-rollout-data-subsample requires --load-debug-rollout-data"),
+            (
+                "load_debug_rollout_data_subsample",
+                "load_debug_rollout_data",
+                "--load-debug-rollout-data-subsample requires --load-debug-rollout-data",
+            ),
         ]
         for dest, needed, message in requires:
-            if v(dest) not in (None, False) and v(needed) in (None, False):
+            # "is": --ckpt-step 0 is a step (0 == False would let it pass without --load).
+            if v(dest) is not None and v(dest) is not False and v(needed) in (None, False):
                 self.fail(message)
         if v("ray_address") and not v("use_ray"):
             self.config.set("use_ray", True, Source.DERIVED)  # a cluster address means running on it
         if v("eval_interval") is not None and not (v("eval_prompt_data") or v("eval_config")):
-            self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config)")
+            self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH)")
         if v("eval_prompt_data") and len(v("eval_prompt_data")) % 2:
             self.fail("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
         if v("train_only") and v("debug_rollout_only"):
             self.fail("--train-only and --debug-rollout-only are mutually exclusive")
-        if v("diffusion_recompute_old_log_prob") and v("loss_type") != "policy_loss":
-            self.fail("--diffusion-recompute-old-log-prob applies to --loss-type policy_loss only")
-        if v("use_ema") and v("ref_mode") != "ema" and v("ema_rollout_policy") != "ema" and v("loss_type") != "nft":
+        loss = registry_spec(self.host, "loss", v("loss_type"))
+        if v("diffusion_recompute_old_log_prob") and not (loss is not None and loss.needs_sde_steps):
+            self.fail("--diffusion-recompute-old-log-prob applies to --loss-type policy_loss only (losses whose spec needs SDE steps)")
+        if v("use_ema") and v("ref_mode") != "ema" and v("ema_rollout_policy") != "ema" and not (loss is not None and loss.keeps_ema):
             self.fail("--use-ema needs a consumer: --ref-mode ema, --ema-rollout-policy ema, or --loss-type nft")
         if v("ema_rollout_policy") == "ema" and not v("use_ema"):
             self.fail("--ema-rollout-policy ema requires --use-ema")
@@ -489,14 +494,15 @@ class _Resolver:
         self.check_schedule_ci_env_rules()
         urls = v("rollout_engine_urls")
         engines = v("rollout_num_engines")
-        if engines is not None and engines < 1:
-            self.fail(f"--rollout-num-engines {engines}: must be at least 1")
-        elif engines is not None and v("rollout_engine") != "sglang" and (v("rollout_engine") != "http" or urls):
-            self.fail("--rollout-num-engines starts engine servers for --rollout-engine http without "
-                      "--rollout-engine-urls; drop one of them")
+        if engines is not None and v("rollout_engine") != "sglang" and (v("rollout_engine") != "http" or urls):
+            self.fail(
+                "--rollout-num-engines starts engine servers for --rollout-engine http without --rollout-engine-urls; drop one of them"
+            )
         if v("rollout_engine") == "http" and not urls and engines is None:
-            self.fail("--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"
-                      " or --rollout-num-engines N (servers the run starts)")
+            self.fail(
+                "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"
+                " or --rollout-num-engines N (servers the run starts)"
+            )
         for url in (urls or "").split(","):
             if urls and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
                 self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")
@@ -509,9 +515,12 @@ class _Resolver:
         is called with, and when they apply."""
         v = self.v
         kinds = {
-            "rollout_function_path": "rollout_function", "eval_function_path": "eval_function",
-            "custom_generate_function_path": "generate_function", "data_source_path": "data_source",
-            "custom_rollout_log_function_path": "log_function", "custom_eval_rollout_log_function_path": "log_function",
+            "rollout_function_path": "rollout_function",
+            "eval_function_path": "eval_function",
+            "custom_generate_function_path": "generate_function",
+            "data_source_path": "data_source",
+            "custom_rollout_log_function_path": "log_function",
+            "custom_eval_rollout_log_function_path": "log_function",
             "model_backend_path": "model_backend",
         }
         for dest, kind in kinds.items():
@@ -523,8 +532,11 @@ class _Resolver:
             except PathFlagError as exc:
                 self.fail(str(exc))
         rollout_fn, evaluates = v("rollout_function_path"), v("eval_interval") is not None
-        if rollout_fn and evaluates and v("eval_function_path") is None and not any(
-            e.startswith("--rollout-function-path ") for e in self.errors
+        if (
+            rollout_fn
+            and evaluates
+            and v("eval_function_path") is None
+            and not any(e.startswith("--rollout-function-path ") for e in self.errors)
         ):
             try:
                 resolve_path_flag("--rollout-function-path", rollout_fn, "eval_function")
@@ -544,11 +556,16 @@ class _Resolver:
                 self.fail("--disable-rollout-global-dataset requires --num-rollout (--num-epoch counts passes over --prompt-data)")
             if v("prompt_data"):
                 self.config.notes.append("--prompt-data is not loaded under --disable-rollout-global-dataset")
-        generation = ("rollout_function_path", "eval_function_path", "custom_generate_function_path",
-                      "data_source_path", "disable_rollout_global_dataset")
+        generation = (
+            "rollout_function_path",
+            "eval_function_path",
+            "custom_generate_function_path",
+            "data_source_path",
+            "disable_rollout_global_dataset",
+        )
         logging = ("custom_rollout_log_function_path", "custom_eval_rollout_log_function_path")
         given = [self.name(dest) for dest in (*generation, *logging) if v(dest) not in (None, False)]
-        if given and v("loss_type") == "sft_loss":
+        if given and self.trains_on() == "supervised_rows":
             self.fail(f"{', '.join(given)}: RL rollout hooks; --loss-type sft_loss trains on --prompt-data rows with no rollout")
         given = [self.name(dest) for dest in generation if v(dest) not in (None, False)]
         if given and v("load_debug_rollout_data"):  # (the log functions still see the replayed rollouts)
@@ -560,82 +577,56 @@ class _Resolver:
     def check_schedule_ci_env_rules(self) -> None:
         """Flow shifts, SFT encoders, the LR schedule on resume, the CI metric check and
         the training environment."""
-        from miles_core.training.environment import train_env_vars_errors
+        from miles_core.config.train_env import train_env_vars_errors
 
         v = self.v
-        sft = v("loss_type") == "sft_loss"
-        for dest in ("diffusion_flow_shift", "fsdp_flow_shift"):
-            value = v(dest)
-            if value is not None and not 0 < value < float("inf"):
-                self.fail(f"{self.name(dest)} {value}: must be a finite number > 0 (the shift divides by 1 + (s - 1)·σ)")
+        sft = self.trains_on() == "supervised_rows"
         if v("fsdp_flow_shift") is not None and not sft:
-            self.fail("--fsdp-flow-shift applies to --loss-type sft_loss only: RL losses train on the sigmas the "
-                      "engine recorded (shape those with --diffusion-flow-shift)")
+            self.fail(
+                "--fsdp-flow-shift applies to --loss-type sft_loss only: RL losses train on the sigmas the "
+                "engine recorded (shape those with --diffusion-flow-shift)"
+            )
         if v("diffusion_flow_shift") is not None and sft:
-            self.fail("--diffusion-flow-shift shapes the rollout engine's schedule and --loss-type sft_loss runs no "
-                      "engine: use --fsdp-flow-shift for the SFT sigma grid")
+            self.fail(
+                "--diffusion-flow-shift shapes the rollout engine's schedule and --loss-type sft_loss runs no "
+                "engine: use --fsdp-flow-shift for the SFT sigma grid"
+            )
         if v("sft_encoder_checkpoint") and not sft:
             self.fail("--sft-encoder-checkpoint requires --loss-type sft_loss (rollouts encode with --hf-checkpoint's encoders)")
-        if (v("override_lr_scheduler") and v("use_checkpoint_lr_scheduler")
-                and self.config.source("use_checkpoint_lr_scheduler").user_set):
-            self.fail("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive "
-                      "(the command line's learning-rate schedule or the checkpoint's)")
+        if v("override_lr_scheduler") and v("use_checkpoint_lr_scheduler") and self.config.source("use_checkpoint_lr_scheduler").user_set:
+            self.fail(
+                "--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive "
+                "(the command line's learning-rate schedule or the checkpoint's)"
+            )
         key, threshold = v("ci_metric_checker_key"), v("ci_metric_checker_threshold")
         if v("ci_test") and (key is None or threshold is None):
             self.fail("--ci-test requires --ci-metric-checker-key and --ci-metric-checker-threshold (the metric the run must reach)")
         elif not v("ci_test") and (key is not None or threshold is not None):
             self.fail("--ci-metric-checker-key and --ci-metric-checker-threshold require --ci-test")
-        if threshold is not None and not -float("inf") < threshold < float("inf"):
-            self.fail(f"--ci-metric-checker-threshold {threshold}: must be a finite number")
         for message in train_env_vars_errors(v("train_env_vars") or {}):
             self.fail(message)
 
+    def check_declared_ranges(self) -> None:
+        """Every flag's value (from the command line, the YAML file or a default) against
+        the range its record declares (:attr:`~miles_core.config.flag.Flag.range`), one
+        line per flag outside it, whatever other flags are given."""
+        for dest in self.config:
+            message = self.config.flag(dest).range_error(self.v(dest))
+            if message is not None:
+                self.out_of_range.add(dest)
+                self.fail(message)
+
     def check_ranges(self) -> None:
-        positive = [
-            "micro_batch_size", "diffusion_num_steps", "rollout_num_gpus_per_engine",
-            "sglang_server_concurrency", "update_weight_buffer_size", "rollout_parser_num_workers",
-            "lora_rank", "lora_alpha", "distributed_timeout_minutes", "diffusion_eval_num_steps",
-            "n_samples_per_eval_prompt", "eval_interval", "save_interval", "miles_router_health_check_failure_threshold",
-        ]
-        for dest in positive:
-            value = self.v(dest)
-            if value is not None and value < 1:
-                self.fail(f"{self.name(dest)} {value}: must be at least 1")
-        non_negative = [
-            "diffusion_noise_level", "diffusion_guidance_scale", "diffusion_kl_beta", "lr", "weight_decay",
-            "diffusion_num_sde_steps", "rollout_health_check_first_wait", "min_lr", "start_rollout_id",
-        ]
-        for dest in non_negative:
-            value = self.v(dest)
-            if value is not None and value < 0:
-                self.fail(f"{self.name(dest)} {value}: must not be negative")
-        for dest in ("diffusion_clip_range", "diffusion_adv_clip_max", "adam_eps", "rollout_health_check_interval",
-                     "rollout_health_check_timeout", "diffusion_nft_beta", "miles_router_timeout"):
-            value = self.v(dest)
-            if value is not None and value <= 0:
-                self.fail(f"{self.name(dest)} {value}: must be positive")
-        if self.v("wandb_log_image_interval") is not None and self.v("wandb_log_image_interval") < 1:
-            self.fail(f"--wandb-log-image-interval {self.v('wandb_log_image_interval')}: must be at least 1")
-        if self.v("wandb_log_num_images") is not None and self.v("wandb_log_num_images") < 0:
-            self.fail(f"--wandb-log-num-images {self.v('wandb_log_num_images')}: must not be negative")
-        for dest in ("adam_beta1", "adam_beta2"):
-            value = self.v(dest)
-            if not 0 <= value < 1:
-                self.fail(f"{self.name(dest)} {value}: must be in [0, 1)")
-        fraction = self.v("diffusion_nft_timestep_fraction")
-        if fraction is not None and not 0 < fraction <= 1:
-            self.fail(f"--diffusion-nft-timestep-fraction {fraction}: must be in (0, 1]")
+        """Ranges that depend on another flag (each flag's own range is declared)."""
         window = self.v("diffusion_sde_window_range")
         steps = self.v("diffusion_num_steps")
-        if window is not None and not 0 <= window[0] < window[1] <= steps - 1:
+        if window is None or steps is None or {"diffusion_sde_window_range", "diffusion_num_steps"} & self.out_of_range:
+            return
+        if not 0 <= window[0] < window[1] <= steps - 1:
             self.fail(
                 f"--diffusion-sde-window-range {window[0]},{window[1]}: need 0 <= lo < hi <= --diffusion-num-steps "
                 f"{steps} - 1 (the last step is never an SDE step)"
             )
-        for dest in ("diffusion_height", "diffusion_width"):
-            value = self.v(dest)
-            if value is not None and value < 1:
-                self.fail(f"{self.name(dest)} {value}: must be positive")
 
     def check_step_selection(self) -> None:
         """The step flags against the schedule: the last step (sigma' = 0) is never an SDE
@@ -643,13 +634,10 @@ class _Resolver:
         ``--diffusion-num-sde-steps`` of them. The window's bounds are checked in
         :meth:`check_ranges`."""
         steps, n = self.v("diffusion_num_steps"), self.v("diffusion_num_sde_steps")
-        if steps is None or steps < 1 or n is None or n < 0:
-            return  # already reported by check_ranges
+        if steps is None or n is None or {"diffusion_num_steps", "diffusion_num_sde_steps"} & self.out_of_range:
+            return  # already reported by check_declared_ranges
         if n > steps - 1:
-            self.fail(
-                f"--diffusion-num-sde-steps {n} exceeds --diffusion-num-steps {steps} - 1 "
-                "(the last step is never an SDE step)"
-            )
+            self.fail(f"--diffusion-num-sde-steps {n} exceeds --diffusion-num-steps {steps} - 1 (the last step is never an SDE step)")
             return  # no window or candidate list can hold that many
         window = self.v("diffusion_sde_window_range")
         if window is not None and 0 <= window[0] < window[1] <= steps - 1 and window[1] - window[0] < n:
@@ -658,7 +646,7 @@ class _Resolver:
                 f"step(s), fewer than --diffusion-num-sde-steps {n}"
             )
         candidates = self.v("diffusion_sde_candidate_steps")
-        if candidates is not None:
+        if candidates is not None and "diffusion_sde_candidate_steps" not in self.out_of_range:
             outside = [k for k in candidates if not 0 <= k < steps - 1]
             if outside:
                 self.fail(
@@ -680,6 +668,13 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
     reference's defaults) stays possible while a run that could not learn is refused."""
     host = host or get_host()
     errors: list[str] = []
+    checkpoint = config.get("hf_checkpoint")
+    if checkpoint and not config.get("model_backend_path"):
+        # Matching reports this already; with --diffusion-model-family the path is read
+        # only now (a configuration may be written where the model is not).
+        problem = checkpoint_problem(checkpoint)
+        if problem is not None:
+            errors.append(f"--hf-checkpoint {problem}")
     loss = config.get("loss_type")
     registry = host.registries.loss
     needs_sde = loss in registry and getattr(registry.get(loss).spec, "needs_sde_steps", False)
@@ -706,8 +701,7 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
     if ref_mode == "ema" and not config.use_ema and loss != "nft":
         errors.append("--ref-mode ema requires --use-ema (the EMA is the reference)")
     if loss == "nft" and config.ref_mode == "none":
-        errors.append("--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or "
-                      "leave it unset")
+        errors.append("--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or leave it unset")
     if loss == "nft" and config.diffusion_kl_beta > 0:
         errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
     if config.eval_config:
@@ -716,10 +710,7 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
             "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
         )
     family = registry_spec(host, "model_family", config.model_family)
-    if (
-        family is not None and not family.supports_cfg_training and loss != "sft_loss"
-        and config.diffusion_guidance_scale > 1
-    ):
+    if family is not None and not family.supports_cfg_training and loss != "sft_loss" and config.diffusion_guidance_scale > 1:
         errors.append(
             f"--diffusion-guidance-scale {config.diffusion_guidance_scale}: the {family.name} family does not train "
             "with classifier-free guidance (as in the reference), so rollouts must sample without it; use "

@@ -7,9 +7,10 @@ rollout code is the same for all of them.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.request import RolloutOutput, RolloutRequest
 
 
 class RolloutEngine(abc.ABC):
@@ -29,5 +30,5 @@ class RolloutEngine(abc.ABC):
     async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:
         """One SHA-256 per named module (see :func:`miles_core.weights.module_checksum`)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - engines without resources need not override it
         """Release the engine's resources."""

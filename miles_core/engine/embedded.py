@@ -8,27 +8,36 @@ model is shared. Weight updates from the trainer need no serialization.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
 from miles_core.engine.sampler import ConditioningCache, sample
+from miles_core.errors import (
+    GenerationCancelled,
+    LoraAdapterError,
+    LoraAdapterMismatch,
+    RequestError,
+    WeightUpdateError,
+)
 from miles_core.family import ModelFamily
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.sde import SdeBackend
-from miles_core.weights import WeightUpdateError, load_component_from_disk, load_named_tensors, module_checksum
+from miles_core.weights import load_component_from_disk, load_named_tensors, module_checksum
 
+log = logging.getLogger(__name__)
 
-class LoraAdapterError(WeightUpdateError):
-    """A LoRA-only update the module's adapter cannot take."""
-
-
-class LoraAdapterMismatch(LoraAdapterError):
-    """The module already has a LoRA adapter other than the update's ``lora_config``."""
+_CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("generation_cancel", default=None)
+"""The cancel flag of the :meth:`EmbeddedEngine.generate` call running in this context: a
+context variable as well as an argument, so that it also reaches ``generate_sync`` through
+wrappers that pass only the request."""
 
 
 def installed_backends(extra: Mapping[str, type[SdeBackend]] | None = None) -> dict[str, type[SdeBackend]]:
@@ -75,17 +84,23 @@ class EmbeddedEngine(RolloutEngine):
 
         extra = {}
         if config.sde_step_backend_path:
-            extra[config.sde_step_backend_path] = resolve_path_flag(
-                "--sde-step-backend-path", config.sde_step_backend_path, "sde_backend"
-            )
+            extra[config.sde_step_backend_path] = resolve_path_flag("--sde-step-backend-path", config.sde_step_backend_path, "sde_backend")
         return cls(load_family(config), backends=installed_backends(extra))
 
     # -- generation ------------------------------------------------------------------
 
-    def generate_sync(self, request: RolloutRequest) -> list[RolloutOutput]:
+    def generate_sync(self, request: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
+        """Run ``request``; once ``cancel`` (default: the flag of the :meth:`generate` call
+        this runs for) is set, stop before the next denoising step with
+        :class:`~miles_core.errors.GenerationCancelled`."""
         request = request.with_request_id()
+        cancel = cancel if cancel is not None else _CANCEL.get()
         with self._lock:
-            return sample(self.family, request, self.backends, self.conditioning_cache)
+            try:
+                return sample(self.family, request, self.backends, self.conditioning_cache, cancel=cancel)
+            except GenerationCancelled as exc:
+                log.info("%s", exc)
+                raise
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         # One thread of the engine's own: requests run one at a time anyway (the lock), and
@@ -93,7 +108,18 @@ class EmbeddedEngine(RolloutEngine):
         # to score returned microgroups while the rest generates (streaming scoring).
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-engine")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.generate_sync, request)
+        cancel = threading.Event()
+        context = contextvars.copy_context()
+        context.run(_CANCEL.set, cancel)
+        job = asyncio.get_running_loop().run_in_executor(self._executor, context.run, self.generate_sync, request)
+        try:
+            return await job
+        except asyncio.CancelledError:
+            # The caller gave up (an HTTP client went away, a run stopped): a queued request
+            # never starts, a running one stops at its next step instead of holding the
+            # model for the requests behind it.
+            cancel.set()
+            raise
 
     async def close(self) -> None:
         if self._executor is not None:
@@ -125,7 +151,11 @@ class EmbeddedEngine(RolloutEngine):
         return loaded
 
     def update_weights_from_tensors(
-        self, module_name: str, tensors: Mapping[str, torch.Tensor], *, lora_only: bool = False,
+        self,
+        module_name: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        lora_only: bool = False,
         lora_config: Mapping[str, Any] | None = None,
     ) -> int:
         """Copy named tensors (full weights or LoRA ``lora_A``/``lora_B``) into a module.
@@ -137,9 +167,7 @@ class EmbeddedEngine(RolloutEngine):
             if lora_config is not None:
                 self._ensure_lora_adapter(module_name, module, lora_config)
             elif lora_only and not getattr(module, "peft_config", None):
-                raise LoraAdapterError(
-                    f"{module_name} has no LoRA adapter; a lora_only update to it must carry lora_config"
-                )
+                raise LoraAdapterError(f"{module_name} has no LoRA adapter; a lora_only update to it must carry lora_config")
             return load_named_tensors(module, tensors, module_name=module_name)
 
     def ensure_lora_adapter(self, module_name: str, lora_config: Mapping[str, Any]) -> bool:
@@ -160,20 +188,21 @@ class EmbeddedEngine(RolloutEngine):
         if existing:
             held = [shape(c.r, c.lora_alpha, c.target_modules) for c in existing.values()]
             if held != [wanted]:
-                raise LoraAdapterMismatch(
-                    f"{module_name} already has LoRA adapter(s) {held}; this update's lora_config is {wanted}"
-                )
+                raise LoraAdapterMismatch(f"{module_name} already has LoRA adapter(s) {held}; this update's lora_config is {wanted}")
             return False
         if not hasattr(module, "add_adapter"):
             raise LoraAdapterError(f"{module_name} ({type(module).__name__}) cannot take a LoRA adapter (no add_adapter)")
         from peft import LoraConfig
 
         try:
-            module.add_adapter(LoraConfig(
-                r=lora_config["r"], lora_alpha=lora_config["lora_alpha"],
-                target_modules=lora_config["target_modules"],
-                init_lora_weights=lora_config.get("init_lora_weights", True),
-            ))
+            module.add_adapter(
+                LoraConfig(
+                    r=lora_config["r"],
+                    lora_alpha=lora_config["lora_alpha"],
+                    target_modules=lora_config["target_modules"],
+                    init_lora_weights=lora_config.get("init_lora_weights", True),
+                )
+            )
         except (ValueError, TypeError) as exc:
             # diffusers marks the module as adapted before PEFT injects anything: undo that.
             module.__dict__.pop("peft_config", None)

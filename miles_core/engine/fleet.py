@@ -19,12 +19,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-
-class FleetError(RuntimeError):
-    """An engine server that did not start, or did not become healthy."""
+from miles_core.errors import FleetError
 
 
 class ServedEngine:
@@ -88,9 +87,11 @@ def launch_engine(checkpoint: str | Path, *args: str, log_path: str | Path, thre
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint),
-             "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True,
+            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint), "--port", "0", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+            start_new_session=True,
         )
     return ServedEngine(process, log_path)
 
@@ -113,8 +114,9 @@ def wait_for(engines: Sequence[ServedEngine], timeout: float, *, healthy: bool, 
             time.sleep(interval)
 
 
-def start_engine(checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0,
-                 healthy: bool = False, threads: int | None = 1) -> ServedEngine:
+def start_engine(
+    checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0, healthy: bool = False, threads: int | None = 1
+) -> ServedEngine:
     """:func:`launch_engine`, then wait (at most ``timeout`` s) until it listens (and with
     ``healthy``, until its model is loaded); on failure it is killed and
     :class:`FleetError` names its log."""
@@ -141,8 +143,15 @@ def serve_arguments(config: Any) -> list[str]:
 class EngineFleet:
     """``count`` serve-engine processes of one checkpoint, started together."""
 
-    def __init__(self, engines: Sequence[ServedEngine], *, checkpoint: str | Path | None = None,
-                 args: Sequence[str] = (), log_dir: str | Path | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[ServedEngine],
+        *,
+        checkpoint: str | Path | None = None,
+        args: Sequence[str] = (),
+        log_dir: str | Path | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.engines = list(engines)
         # How the engines were launched, so that restart() can launch one again.
         self.checkpoint = checkpoint
@@ -158,8 +167,9 @@ class EngineFleet:
         return [engine.url for engine in self.engines if engine.url]
 
     @classmethod
-    def start(cls, checkpoint: str | Path, count: int, log_dir: str | Path, *args: str, timeout: float = 300.0,
-              threads: int | None = None) -> EngineFleet:
+    def start(
+        cls, checkpoint: str | Path, count: int, log_dir: str | Path, *args: str, timeout: float = 300.0, threads: int | None = None
+    ) -> EngineFleet:
         """Start ``count`` engines (logs ``log_dir/engine_<i>.log``) and wait until all are
         healthy; on any failure, stop those started and raise :class:`FleetError`."""
         if count < 1:
@@ -167,9 +177,7 @@ class EngineFleet:
         fleet = cls([], checkpoint=checkpoint, args=args, log_dir=log_dir, threads=threads)
         try:
             for index in range(count):
-                fleet.engines.append(
-                    launch_engine(checkpoint, *args, log_path=Path(log_dir) / f"engine_{index}.log", threads=threads)
-                )
+                fleet.engines.append(launch_engine(checkpoint, *args, log_path=Path(log_dir) / f"engine_{index}.log", threads=threads))
             fleet.restarts = [0] * count
             wait_for(fleet.engines, timeout, healthy=True)
         except BaseException:
@@ -203,8 +211,7 @@ class EngineFleet:
                 raise FleetError(f"engine server {old.url}: not restarted, the fleet is stopping")
             self.restarts[index] += 1
             log_path = self.log_dir / f"engine_{index}.restart{self.restarts[index]}.log"
-            engine = self.engines[index] = launch_engine(self.checkpoint, *self.args, log_path=log_path,
-                                                         threads=self.threads)
+            engine = self.engines[index] = launch_engine(self.checkpoint, *self.args, log_path=log_path, threads=self.threads)
         try:
             wait_for([engine], timeout, healthy=True)
         except BaseException:

@@ -25,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+
+from miles_core.errors import NoHealthyEngineError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,7 @@ class FaultTolerance:
         if self.first_wait < 0:
             raise ValueError(f"fault tolerance: first_wait must not be negative, got {self.first_wait}")
         if self.failure_threshold < 1:
-            raise ValueError("--miles-router-health-check-failure-threshold must be at least 1, "
-                             f"got {self.failure_threshold}")
+            raise ValueError(f"--miles-router-health-check-failure-threshold must be at least 1, got {self.failure_threshold}")
         if self.max_attempts < 1:
             raise ValueError(f"fault tolerance: max_attempts must be at least 1, got {self.max_attempts}")
 
@@ -90,10 +92,6 @@ class FaultTolerance:
         )
 
 
-class NoHealthyEngineError(RuntimeError):
-    """No engine became healthy in time (raised as the engine's request error)."""
-
-
 class Supervisor:
     """The slot states of one engine, its health-check task and its restarts.
 
@@ -101,8 +99,15 @@ class Supervisor:
     asyncio object here belongs to the loop of the first call; :meth:`reset` forgets them
     when the engine moves to another loop."""
 
-    def __init__(self, urls: list[str], settings: FaultTolerance, check: HealthCheck, *,
-                 restart: Restart | None = None, prepare: Prepare | None = None) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        settings: FaultTolerance,
+        check: HealthCheck,
+        *,
+        restart: Restart | None = None,
+        prepare: Prepare | None = None,
+    ) -> None:
         self.urls = urls
         self.settings = settings
         self.check = check
@@ -154,8 +159,9 @@ class Supervisor:
             if slot_url != url or self.state[index] != HEALTHY:
                 continue
             self.state[index], self.reason[index] = DOWN, reason
-            log.warning("rollout engine %s is down (%s)%s", url, reason,
-                        "; restarting it" if self.restart is not None else "; routing around it")
+            log.warning(
+                "rollout engine %s is down (%s)%s", url, reason, "; restarting it" if self.restart is not None else "; routing around it"
+            )
             future = self._down[index]
             if future is not None and not future.done():
                 future.set_result(reason)
@@ -193,8 +199,7 @@ class Supervisor:
     async def check_once(self) -> None:
         """One round: ``GET /health`` on every healthy URL, and on down ones that come
         back by themselves (no ``restart`` callback)."""
-        watched = [i for i, state in enumerate(self.state)
-                   if state == HEALTHY or (state == DOWN and self.restart is None)]
+        watched = [i for i, state in enumerate(self.state) if state == HEALTHY or (state == DOWN and self.restart is None)]
         urls = list(dict.fromkeys(self.urls[i] for i in watched))
         statuses = await asyncio.gather(*(self.check(url, self.settings.timeout) for url in urls))
         self.checks += 1
@@ -265,7 +270,8 @@ class Supervisor:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or all(state == FAILED for state in self.state):
                 raise NoHealthyEngineError(
-                    f"no healthy engine within {self.settings.engine_wait:g} s: " + "; ".join(
+                    f"no healthy engine within {self.settings.engine_wait:g} s: "
+                    + "; ".join(
                         f"{url} {state} ({reason})" if reason else f"{url} {state}"
                         for url, state, reason in zip(self.urls, self.state, self.reason)
                     )

@@ -22,16 +22,18 @@ import concurrent.futures
 import itertools
 import json
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import aiohttp
 import msgpack
 import torch
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.health import FaultTolerance, NoHealthyEngineError, Prepare, Restart, Supervisor
-from miles_core.engine.request import RolloutOutput, RolloutRequest
-from miles_core.engine.wire import WireError, unpack_outputs
+from miles_core.engine.health import FaultTolerance, Prepare, Restart, Supervisor
+from miles_core.engine.wire import unpack_outputs
+from miles_core.errors import EngineRequestError, NoHealthyEngineError, WeightsMismatchError, WireError
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.weights import bucket_to_bytes, iter_buckets
 
 DEFAULT_CONCURRENCY = 512
@@ -39,21 +41,6 @@ DEFAULT_CONCURRENCY = 512
 
 GENERATE = "/rollout/generate"
 _LOST = object()  # the answer of a server that went down during a weight request
-
-
-class EngineRequestError(RuntimeError):
-    """A request an engine server refused or failed (``status`` None: no HTTP answer)."""
-
-    def __init__(self, url: str, status: int | None, message: str) -> None:
-        self.url = url
-        self.status = status
-        self.message = message
-        where = f"HTTP {status}" if status is not None else "no response"
-        super().__init__(f"{url}: {where}: {message}")
-
-
-class WeightsMismatchError(RuntimeError):
-    """Servers behind one engine report different weights for a module."""
 
 
 class HttpEngine(RolloutEngine):
@@ -102,23 +89,26 @@ class HttpEngine(RolloutEngine):
         """The slot states and health checks under fault tolerance (None without)."""
         if fault_tolerance is not None:
             # It shares self.urls: a restart puts the new URL in the slot.
-            self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart,
-                                         prepare=prepare)
+            self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart, prepare=prepare)
         elif restart is not None or prepare is not None:
             raise ValueError("restart and prepare go with fault_tolerance")
 
     @classmethod
     def from_config(cls, config: Any) -> HttpEngine:
-        return cls(config.rollout_engine_urls, max_concurrency=config.sglang_server_concurrency,
-                   decode_workers=config.rollout_parser_num_workers or 1,
-                   request_timeout=getattr(config, "miles_router_timeout", None),
-                   fault_tolerance=FaultTolerance.from_config(config))
+        return cls(
+            config.rollout_engine_urls,
+            max_concurrency=config.sglang_server_concurrency,
+            decode_workers=config.rollout_parser_num_workers or 1,
+            request_timeout=getattr(config, "miles_router_timeout", None),
+            fault_tolerance=FaultTolerance.from_config(config),
+        )
 
     def view(self, url: str) -> HttpEngine:
         """A plain engine over ``url`` alone, with this one's limits and no fault
         tolerance: a restarted server is re-synced through it before it rejoins."""
-        return HttpEngine([url], max_concurrency=self.max_concurrency, request_timeout=self.request_timeout,
-                          connect_timeout=self.connect_timeout)
+        return HttpEngine(
+            [url], max_concurrency=self.max_concurrency, request_timeout=self.request_timeout, connect_timeout=self.connect_timeout
+        )
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -143,13 +133,21 @@ class HttpEngine(RolloutEngine):
         self._last_pick[index] = next(self._tick)
         return index
 
-    async def _post(self, url: str, path: str, *, json_body: Any = None, data: bytes | None = None,
-                    content_type: str | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes, str]:
+    async def _post(
+        self,
+        url: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        data: bytes | None = None,
+        content_type: str | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> tuple[int, bytes, str]:
         headers = {"Content-Type": content_type} if content_type else None
         try:
-            async with self._client().post(url + path, json=json_body, data=data, headers=headers,
-                                           timeout=timeout or self.timeout) as response:
+            async with self._client().post(
+                url + path, json=json_body, data=data, headers=headers, timeout=timeout or self.timeout
+            ) as response:
                 return response.status, await response.read(), response.content_type
         except asyncio.TimeoutError as exc:
             limit = (timeout or self.timeout).total
@@ -177,6 +175,7 @@ class HttpEngine(RolloutEngine):
 
     async def _post_json_all(self, path: str, body: Any) -> dict[str, Any]:
         """Each server's JSON answer by URL (servers that went down on the way left out)."""
+
         async def one(url: str) -> Any:
             try:
                 status, raw, _ = await self._post(url, path, json_body=body)
@@ -259,8 +258,7 @@ class HttpEngine(RolloutEngine):
         try:
             async with self._semaphores[index]:
                 self.sent[index] += 1
-                status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(),
-                                                  timeout=self._generate_timeout)
+                status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(), timeout=self._generate_timeout)
         finally:
             self.in_flight[index] -= 1
         self._check(url + GENERATE, status, raw)
@@ -397,8 +395,9 @@ class HttpEngine(RolloutEngine):
         await self.close()
 
 
-def _bucket_payload(module_name: str, bucket: Mapping[str, torch.Tensor], lora_only: bool,
-                    lora_config: Mapping[str, Any] | None = None) -> bytes:
+def _bucket_payload(
+    module_name: str, bucket: Mapping[str, torch.Tensor], lora_only: bool, lora_config: Mapping[str, Any] | None = None
+) -> bytes:
     body: dict[str, Any] = {"target_module": module_name, "bucket": bucket_to_bytes(bucket), "lora_only": lora_only}
     if lora_config is not None:
         body["lora_config"] = dict(lora_config)

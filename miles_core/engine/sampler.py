@@ -15,12 +15,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from miles_core.engine.request import RequestError, RolloutOutput, RolloutRequest
+from miles_core.errors import GenerationCancelled, RequestError
 from miles_core.family import Conditioning, GenerationParams, Latents, ModelFamily, Schedule
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.sde import OdeBackend, SdeBackend, StreamStep, score_streams, step_streams
 
 
@@ -63,13 +64,13 @@ def sample(
     request: RolloutRequest,
     backends: Mapping[str, type[SdeBackend]],
     cache: ConditioningCache | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[RolloutOutput]:
-    """Run one request; return one record per output."""
+    """Run one request; return one record per output. Once ``cancel`` is set the
+    denoising loop stops before its next step with :class:`GenerationCancelled`."""
     start = time.perf_counter()
     if request.rollout_sde_type not in backends:
-        raise RequestError(
-            "rollout_sde_type", f"{request.rollout_sde_type!r} is not an installed backend ({', '.join(sorted(backends))})"
-        )
+        raise RequestError("rollout_sde_type", f"{request.rollout_sde_type!r} is not an installed backend ({', '.join(sorted(backends))})")
     params = family.resolve_params(request)
     schedule = family.schedule(params)
     steps = int(schedule.timesteps.shape[0])
@@ -90,8 +91,16 @@ def sample(
         records: list[RolloutOutput] = []
         for rows in batches:
             records += _denoise(
-                family, request, params, schedule, cond.expand(len(rows)), [generators[i] for i in rows],
-                [request.seed + i for i in rows], stochastic, deterministic,
+                family,
+                request,
+                params,
+                schedule,
+                cond.expand(len(rows)),
+                [generators[i] for i in rows],
+                [request.seed + i for i in rows],
+                stochastic,
+                deterministic,
+                cancel,
             )
     elapsed = time.perf_counter() - start
     peak = _peak_memory_mb(family.device)
@@ -111,6 +120,7 @@ def _denoise(
     seeds: Sequence[int],
     stochastic: SdeBackend,
     deterministic: SdeBackend,
+    cancel: threading.Event | None = None,
 ) -> list[RolloutOutput]:
     batch = len(generators)
     sigmas = schedule.sigmas.to(torch.float32).cpu()
@@ -127,21 +137,35 @@ def _denoise(
     records: dict[str, list[torch.Tensor]] = {"noise": [], "mean": [], "std": [], "velocity": []}
     fallbacks = 0
     for k in range(steps):
+        if cancel is not None and cancel.is_set():
+            raise GenerationCancelled(request.request_id, k, steps)
         timestep = schedule.timesteps[k].expand(batch).to(family.device)
         velocity = family.predict(latents, timestep, cond, params)
         is_sde = k in sde_steps
         noise = _draw_noise(latents, generators) if is_sde else None
         result: StreamStep = step_streams(
-            stochastic if is_sde else deterministic, latents, velocity, float(sigmas[k]), float(sigmas[k + 1]),
-            sigma_max=sigma_max, noise=noise, step_index=k,
+            stochastic if is_sde else deterministic,
+            latents,
+            velocity,
+            float(sigmas[k]),
+            float(sigmas[k + 1]),
+            sigma_max=sigma_max,
+            noise=noise,
+            step_index=k,
         )
         next_latents = {name: tensor.to(family.dtype) for name, tensor in result.prev_sample.items()}
         if is_sde and family.dtype != torch.float32:
             # The trajectory keeps x' in the model dtype: score that rounded value, which
             # is what the trainer will see, not the fp32 draw.
             result.log_prob = score_streams(
-                stochastic, next_latents, latents, velocity, float(sigmas[k]), float(sigmas[k + 1]),
-                sigma_max=sigma_max, step_index=k,
+                stochastic,
+                next_latents,
+                latents,
+                velocity,
+                float(sigmas[k]),
+                float(sigmas[k + 1]),
+                sigma_max=sigma_max,
+                step_index=k,
             ).log_prob
         fallbacks += result.fallback_count
         if is_sde:
@@ -172,8 +196,7 @@ def _denoise(
         if want_trajectory:
             indices = sorted(trajectory)
             output.dit_trajectory = {
-                name: torch.stack([trajectory[j][name][i].float().cpu() for j in indices])
-                for name in family.latent_streams
+                name: torch.stack([trajectory[j][name][i].float().cpu() for j in indices]) for name in family.latent_streams
             }
             output.dit_trajectory.update(
                 timesteps=schedule.timesteps.float().cpu(),

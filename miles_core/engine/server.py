@@ -1,6 +1,6 @@
 """An HTTP server for one :class:`EmbeddedEngine`, speaking sglang-diffusion's contract.
 
-Routes (DESIGN section 5):
+Routes (docs/design.md, "The wire contract"):
 
 - ``POST /rollout/generate``: a JSON :class:`RolloutRequest`; answers ``application/msgpack``,
   a list with one record per output (tensors as ``{"__tensor__": true, ...}`` records).
@@ -19,6 +19,13 @@ Routes (DESIGN section 5):
 
 A malformed or out-of-range request answers 400 with ``{"error": "<field>: <message>"}``;
 an unexpected failure answers 500 with the message. Either way the server keeps serving.
+
+Limits (:mod:`miles_core.engine.limits`): a ``/rollout/generate`` request over one of the
+server's :class:`RequestLimits` is refused before anything is allocated, 400 for a field
+(``num_outputs_per_prompt``...) and 413 for its total work, and a body over the route's
+byte limit with 413; the JSON body then also carries ``field``, ``value``, ``limit`` and
+the ``flag`` that raises the limit. A request whose client goes away is cancelled: its
+generation stops at the next denoising step, so the next request is served at once.
 """
 
 from __future__ import annotations
@@ -27,22 +34,22 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgpack
 from aiohttp import web
 
-from miles_core.engine.embedded import (
-    EmbeddedEngine,
-    LoraAdapterError,
-    LoraAdapterMismatch,
-)
-from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.limits import BODY_FLAG, DEFAULT_MAX_BODY_BYTES, RequestLimits, body_too_large
 from miles_core.engine.wire import pack_outputs
-from miles_core.weights import WeightUpdateError, bucket_from_bytes
+from miles_core.errors import LoraAdapterError, LoraAdapterMismatch, RequestError, RequestLimitError, WeightUpdateError
+from miles_core.request import RolloutRequest
+from miles_core.weights import bucket_from_bytes
 
 log = logging.getLogger(__name__)
+
 
 def _flag_default(name: str) -> Any:
     from miles_core.config.reference_flags import FLAGS
@@ -75,10 +82,17 @@ class EngineState:
     ready: threading.Event = field(default_factory=threading.Event)
     on_load_error: Callable[[BaseException], None] | None = None
     thread: threading.Thread | None = None
+    limit_overrides: dict[str, int | None] = field(default_factory=dict)
+    limits: RequestLimits | None = None
+    """Derived from the model once it is loaded (see :meth:`RequestLimits.derive`)."""
+    max_generate_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def load(self) -> None:
         try:
-            self.engine = self.loader()
+            engine = self.loader()
+            self.limits = RequestLimits.derive(engine.family, self.limit_overrides)
+            log.info("request limits: %s", ", ".join(f"{k}={v}" for k, v in self.limits.as_dict().items()))
+            self.engine = engine
         except BaseException as exc:  # reported through /health and on_load_error
             log.exception("loading the engine failed")
             self.error = exc
@@ -104,26 +118,36 @@ def create_app(
     update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
     max_request_bytes: int | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
+    limits: Mapping[str, int | None] | None = None,
+    max_generate_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> web.Application:
     """The application. ``engine`` is an engine, or a loader called in a background
     thread when the application starts (``/health`` answers 503 until it returns).
 
     Request bodies are capped at ``max_request_bytes`` (default: twice the weight-update
     buffer size plus 16 MiB, so one bucket always fits; a single tensor larger than that
-    is refused with 413)."""
+    is refused with 413), ``/rollout/generate`` bodies at ``max_generate_body_bytes``.
+    ``limits`` overrides some of the :class:`RequestLimits` derived from the model
+    (``{"max_outputs_per_request": 128}``; None: derived)."""
     loader = (lambda: engine) if isinstance(engine, EmbeddedEngine) else engine
     if max_request_bytes is None:
         max_request_bytes = 2 * update_weight_buffer_size + 16 * 1024**2
+    overrides = dict(limits or {})
+    RequestLimits.check_overrides(overrides)  # a bad override fails here, not in the loader thread
     app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors])
-    app[STATE] = EngineState(loader, on_load_error=on_load_error)
+    app[STATE] = EngineState(
+        loader, on_load_error=on_load_error, limit_overrides=overrides, max_generate_body_bytes=max_generate_body_bytes
+    )
     app.on_startup.append(_start_loading)
-    app.add_routes([
-        web.get("/health", _health),
-        web.post("/rollout/generate", _generate),
-        web.post("/update_weights_from_disk", _update_from_disk),
-        web.post("/update_weights_from_tensor", _update_from_tensor),
-        web.post("/get_weights_checksum", _checksum),
-    ])
+    app.add_routes(
+        [
+            web.get("/health", _health),
+            web.post("/rollout/generate", _generate),
+            web.post("/update_weights_from_disk", _update_from_disk),
+            web.post("/update_weights_from_tensor", _update_from_tensor),
+            web.post("/get_weights_checksum", _checksum),
+        ]
+    )
     return app
 
 
@@ -145,7 +169,9 @@ class RunningServer:
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Listen on ``host:port`` (0: a free port) and return the running server; the
     engine loader starts at the same time."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a handler whose client goes away is cancelled (aiohttp's
+    # default lets it run on), which is what stops that client's generation.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
@@ -166,17 +192,31 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def _limit_error(exc: RequestLimitError) -> web.Response:
+    body = {"error": str(exc), "field": exc.field, "value": exc.value, "limit": exc.limit, "flag": exc.flag}
+    return web.json_response(body, status=exc.status)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as exc:
         return _error(exc.status, str(exc))
+    except RequestLimitError as exc:
+        return _limit_error(exc)
     except RequestError as exc:
         return _error(400, str(exc))
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, f"body: larger than the server's limit ({exc.text or exc.reason}); "
-                           "lower --update-weight-buffer-size on the client or raise it on the server")
+    except web.HTTPRequestEntityTooLarge:
+        # The application-wide cap, sized for weight-update buckets.
+        return _limit_error(
+            body_too_large(
+                request.content_length,
+                request.client_max_size,
+                "--update-weight-buffer-size",
+                "raises it on the server, which takes bodies up to twice it plus 16 MiB; a lower one on the client sends smaller buckets",
+            )
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -188,14 +228,27 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
+async def _json_body(request: web.Request, max_bytes: int | None = None, flag: str = "") -> Any:
+    raw = await request.read() if max_bytes is None else await _read_at_most(request, max_bytes, flag)
     if not raw:
         raise BadRequest("body", "empty; expected a JSON object")
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest("body", f"not valid JSON ({exc})") from None
+
+
+async def _read_at_most(request: web.Request, max_bytes: int, flag: str) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed ``max_bytes`` (from its
+    declared length, else while reading it: a chunked body is never held whole)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise body_too_large(request.content_length, max_bytes, flag)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > max_bytes:
+            raise body_too_large(None, max_bytes, flag)
+    return bytes(body)
 
 
 def _json_object(data: Any) -> dict[str, Any]:
@@ -230,9 +283,22 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _generate(request: web.Request) -> web.Response:
-    engine = request.app[STATE].require()
-    rollout_request = RolloutRequest.from_json(await _json_body(request))
-    outputs = await engine.generate(rollout_request)
+    state = request.app[STATE]
+    engine = state.require()
+    rollout_request = RolloutRequest.from_json(await _json_body(request, state.max_generate_body_bytes, BODY_FLAG))
+    rollout_request = rollout_request.with_request_id()  # the same id in the server's and the engine's logs
+    # The family's own checks and defaults (cheap: no tensors), then the server's limits,
+    # before the request waits for the engine or allocates anything.
+    assert state.limits is not None  # set with the engine
+    state.limits.check(rollout_request, engine.family.resolve_params(rollout_request))
+    try:
+        outputs = await engine.generate(rollout_request)
+    except asyncio.CancelledError:
+        log.info(
+            "POST /rollout/generate %s: cancelled (the client went away, or the server is stopping); stopping its generation",
+            rollout_request.request_id,
+        )
+        raise
     body = await asyncio.to_thread(pack_outputs, outputs)
     return web.Response(body=body, content_type="application/msgpack")
 
@@ -261,7 +327,8 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
     engine = request.app[STATE].require()
     if request.content_type == "application/json":
         raise BadRequest(
-            "body", "this server takes an application/msgpack body {target_module, bucket, lora_only} "
+            "body",
+            "this server takes an application/msgpack body {target_module, bucket, lora_only} "
             "(safetensors buckets); sglang's serialized_named_tensors (CUDA IPC, pickled) is not supported",
             status=415,
         )
@@ -297,9 +364,7 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
         if other:
             raise BadRequest("bucket", f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
     try:
-        count = await asyncio.to_thread(
-            engine.update_weights_from_tensors, module, tensors, lora_only=lora_only, lora_config=lora_config
-        )
+        count = await asyncio.to_thread(engine.update_weights_from_tensors, module, tensors, lora_only=lora_only, lora_config=lora_config)
     except LoraAdapterMismatch as exc:
         raise BadRequest("lora_config", str(exc), status=409) from None
     except LoraAdapterError as exc:

@@ -33,15 +33,16 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from miles_core.engine.health import FaultTolerance
 from miles_core.engine.http import HttpEngine
-from miles_core.engine.request import RolloutOutput, RolloutRequest
-from miles_core.training.run import RunError
+from miles_core.errors import SglangEngineError
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.weights import named_tensors_checksum
 
 SERVE_MODULE = "sglang.multimodal_gen.runtime.entrypoints.cli.main"
@@ -51,17 +52,13 @@ PREFIX = "--sglang-"
 IMPORT_CHECK_TIMEOUT = 120.0
 
 
-class SglangEngineError(RunError):
-    """The sglang-diffusion environment or servers could not be used (one line)."""
-
-
 def server_args(sglang_args: Sequence[str]) -> list[str]:
     """The ``--sglang-*`` pass-through arguments as the server's own: prefix stripped,
     values verbatim. ``--sglang-model-path``, ``--sglang-host`` and ``--sglang-port`` raise."""
     out: list[str] = []
     for token in sglang_args:
         if token.startswith(PREFIX):
-            name = "--" + token[len(PREFIX):]
+            name = "--" + token[len(PREFIX) :]
             if name.split("=", 1)[0] in FRAMEWORK_ARGS:
                 raise SglangEngineError(
                     f"{token.split('=', 1)[0]}: the run sets {name.split('=', 1)[0]} of the sglang-diffusion servers itself"
@@ -74,24 +71,36 @@ def server_args(sglang_args: Sequence[str]) -> list[str]:
 
 def serve_command(python: str, model_path: str, port: int, sglang_args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
     """The command line of one sglang-diffusion server."""
-    return [str(python), "-m", SERVE_MODULE, "serve", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), *server_args(sglang_args)]
+    return [
+        str(python),
+        "-m",
+        SERVE_MODULE,
+        "serve",
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *server_args(sglang_args),
+    ]
 
 
 def check_python(python: str | None, timeout: float = IMPORT_CHECK_TIMEOUT) -> str:
     """``python`` as an absolute path, once it runs ``import sglang.multimodal_gen``;
     :class:`SglangEngineError` (one line) when missing, not executable or broken."""
     if not python:
-        raise SglangEngineError("--rollout-engine sglang needs --sglang-python PATH: the Python of a separate "
-                                "sglang-diffusion environment (see docs/engine.md; scripts/sglang_lane.sh builds one)")
+        raise SglangEngineError(
+            "--rollout-engine sglang needs --sglang-python PATH: the Python of a separate "
+            "sglang-diffusion environment (see docs/engine.md; scripts/sglang_lane.sh builds one)"
+        )
     path = Path(python).expanduser()
     if not path.exists():
         raise SglangEngineError(f"--sglang-python {python}: no such file")
     if path.is_dir() or not os.access(path, os.X_OK):
         raise SglangEngineError(f"--sglang-python {python}: not an executable file")
     try:
-        result = subprocess.run([str(path), "-c", "import sglang.multimodal_gen"], capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run([str(path), "-c", "import sglang.multimodal_gen"], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise SglangEngineError(f"--sglang-python {python}: 'import sglang.multimodal_gen' took over {timeout:g} s") from None
     except OSError as exc:
@@ -112,8 +121,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SglangEngine(HttpEngine):
     """Starts sglang-diffusion servers, then behaves as an :class:`HttpEngine` over them."""
 
-    def __init__(self, urls: Sequence[str], processes: Sequence[subprocess.Popen], log_paths: Sequence[Path],
-                 work_dir: Path, *, owns_work_dir: bool = False, sync_root: Path | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        processes: Sequence[subprocess.Popen],
+        log_paths: Sequence[Path],
+        work_dir: Path,
+        *,
+        owns_work_dir: bool = False,
+        sync_root: Path | None = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs.get("fault_tolerance") is not None and processes and kwargs.get("restart") is None:
             kwargs["restart"] = self._restart  # the run started these servers: it restarts them
         super().__init__(list(urls), **kwargs)
@@ -157,17 +175,34 @@ class SglangEngine(HttpEngine):
             work_dir.mkdir(parents=True, exist_ok=True)
         else:
             work_dir, owned = Path(tempfile.mkdtemp(prefix="miles-sglang-")), True
-        engine = cls.launch(python, config.hf_checkpoint, args, count, work_dir,
-                            timeout=600.0,
-                            max_concurrency=config.sglang_server_concurrency,
-                            decode_workers=config.get("rollout_parser_num_workers") or 1,
-                            request_timeout=request_timeout, fault_tolerance=fault_tolerance)
+        engine = cls.launch(
+            python,
+            config.hf_checkpoint,
+            args,
+            count,
+            work_dir,
+            timeout=600.0,
+            max_concurrency=config.sglang_server_concurrency,
+            decode_workers=config.get("rollout_parser_num_workers") or 1,
+            request_timeout=request_timeout,
+            fault_tolerance=fault_tolerance,
+        )
         engine._owns_work_dir = owned
         return engine
 
     @classmethod
-    def launch(cls, python: str, model_path: str, sglang_args: Sequence[str], count: int, work_dir: Path, *,
-               timeout: float = 600.0, env: Mapping[str, str] | None = None, **kwargs: Any) -> SglangEngine:
+    def launch(
+        cls,
+        python: str,
+        model_path: str,
+        sglang_args: Sequence[str],
+        count: int,
+        work_dir: Path,
+        *,
+        timeout: float = 600.0,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> SglangEngine:
         """Start ``count`` servers and wait until every one answers ``/health`` with 200."""
         work_dir = Path(work_dir)
         (work_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -206,8 +241,9 @@ class SglangEngine(HttpEngine):
             for index, url in list(pending.items()):
                 code = self.processes[index].poll()
                 if code is not None:
-                    raise SglangEngineError(f"sglang-diffusion server {index} exited with status {code} before it was "
-                                            f"healthy; see {self.log_paths[index]}")
+                    raise SglangEngineError(
+                        f"sglang-diffusion server {index} exited with status {code} before it was healthy; see {self.log_paths[index]}"
+                    )
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=5) as response:
                         if response.status == 200:
@@ -218,8 +254,9 @@ class SglangEngine(HttpEngine):
                 return
             if time.monotonic() >= deadline:
                 index = next(iter(pending))
-                raise SglangEngineError(f"sglang-diffusion server {index} ({pending[index]}) not healthy after "
-                                        f"{timeout:g} s; see {self.log_paths[index]}")
+                raise SglangEngineError(
+                    f"sglang-diffusion server {index} ({pending[index]}) not healthy after {timeout:g} s; see {self.log_paths[index]}"
+                )
             time.sleep(0.25)
 
     # -- fault tolerance ----------------------------------------------------------------------
@@ -236,19 +273,16 @@ class SglangEngine(HttpEngine):
         :class:`SglangEngineError` naming the new log when it does not come up, or when
         :meth:`stop_servers` has begun."""
         if self.python is None or self.model_path is None or self.environment is None:
-            raise SglangEngineError("these sglang-diffusion servers were not started by SglangEngine.launch: "
-                                    "cannot restart one")
+            raise SglangEngineError("these sglang-diffusion servers were not started by SglangEngine.launch: cannot restart one")
         old = self.processes[index]
         _kill_groups([old])
         with self._lock:  # stop_servers() must not miss a server started while it runs
             if self._stopping:
-                raise SglangEngineError(f"sglang-diffusion server {index} ({self.urls[index]}): not restarted, "
-                                        "the servers are stopping")
+                raise SglangEngineError(f"sglang-diffusion server {index} ({self.urls[index]}): not restarted, the servers are stopping")
             self.restarts[index] += 1
             port = free_port()
             log_path = self.work_dir / "logs" / f"engine-{index}.restart{self.restarts[index]}.log"
-            self.processes[index] = _spawn(self.python, self.model_path, port, self.sglang_args, self.environment,
-                                           log_path)
+            self.processes[index] = _spawn(self.python, self.model_path, port, self.sglang_args, self.environment, log_path)
             self.log_paths[index] = log_path
         url = f"http://127.0.0.1:{port}"  # the supervisor puts it in the slot
         try:
@@ -264,9 +298,16 @@ class SglangEngine(HttpEngine):
         ``weight-sync/resync-<n>`` so that it never overwrites this engine's syncs. It
         starts and stops no server and leaves the work directory alone."""
         self._views += 1
-        view = SglangEngine([url], [], [], self.work_dir, sync_root=self.sync_root / f"resync-{self._views:05d}",
-                            max_concurrency=self.max_concurrency, request_timeout=self.request_timeout,
-                            connect_timeout=self.connect_timeout)
+        view = SglangEngine(
+            [url],
+            [],
+            [],
+            self.work_dir,
+            sync_root=self.sync_root / f"resync-{self._views:05d}",
+            max_concurrency=self.max_concurrency,
+            request_timeout=self.request_timeout,
+            connect_timeout=self.connect_timeout,
+        )
         view.model_path = self.model_path
         return view
 
@@ -276,7 +317,7 @@ class SglangEngine(HttpEngine):
         request's ``seed``; such records get their own seed back. Its ``dit_trajectory``
         holds the requested steps' latents without ``step_indices`` (they are added) and
         one timestep per returned latent (rebuilt as our ``[T]`` loop grid, see
-        :func:`_timestep_grid`)."""
+        :func:`timestep_grid`)."""
         outputs = await super().generate(request)
         if len(outputs) > 1 and all(output.seed == request.seed for output in outputs):
             for index, output in enumerate(outputs):
@@ -291,12 +332,14 @@ class SglangEngine(HttpEngine):
                 wanted = request.rollout_return_step_indices
                 steps = sorted(set(wanted)) if wanted is not None else list(range(request.num_inference_steps + 1))
                 if rows != len(steps):
-                    raise SglangEngineError(f"sglang-diffusion returned {rows} trajectory latents without step_indices; "
-                                            f"expected {len(steps)} (steps {steps})")
+                    raise SglangEngineError(
+                        f"sglang-diffusion returned {rows} trajectory latents without step_indices; expected {len(steps)} (steps {steps})"
+                    )
                 trajectory["step_indices"] = torch.tensor(steps)
                 if "timesteps" in trajectory and "sigmas" in trajectory:
-                    trajectory["timesteps"] = _timestep_grid(trajectory["timesteps"], trajectory["sigmas"], steps,
-                                                             request.num_inference_steps)
+                    trajectory["timesteps"] = timestep_grid(
+                        trajectory["timesteps"], trajectory["sigmas"], steps, request.num_inference_steps
+                    )
         return outputs
 
     # -- weight sync through the disk ---------------------------------------------------
@@ -314,8 +357,10 @@ class SglangEngine(HttpEngine):
         every server load them (``/update_weights_from_disk``). ``buffer_size`` does not
         apply (one file per module); LoRA-only updates are refused."""
         if lora_only:
-            raise SglangEngineError("--lora-ipc-weight-sync does not apply to --rollout-engine sglang: its servers "
-                                    "load full weights from disk (leave the flag off)")
+            raise SglangEngineError(
+                "--lora-ipc-weight-sync does not apply to --rollout-engine sglang: its servers "
+                "load full weights from disk (leave the flag off)"
+            )
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in items}
         folder = self._next_sync_dir() / module_name
@@ -395,12 +440,18 @@ class SglangEngine(HttpEngine):
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def _spawn(python: str, model_path: str, port: int, sglang_args: Sequence[str], environment: Mapping[str, str],
-           log_path: Path) -> subprocess.Popen:
+def _spawn(
+    python: str, model_path: str, port: int, sglang_args: Sequence[str], environment: Mapping[str, str], log_path: Path
+) -> subprocess.Popen:
     """Start one server (its own process group, output to ``log_path``); does not wait."""
     with log_path.open("wb") as log:
-        return subprocess.Popen(serve_command(python, model_path, port, sglang_args), stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(environment), start_new_session=True)
+        return subprocess.Popen(
+            serve_command(python, model_path, port, sglang_args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(environment),
+            start_new_session=True,
+        )
 
 
 def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
@@ -423,7 +474,7 @@ FLOW_MATCH_TRAIN_TIMESTEPS = 1000.0
 """diffusers' flow-matching schedulers: ``timestep = sigma x num_train_timesteps``."""
 
 
-def _timestep_grid(returned: torch.Tensor, sigmas: torch.Tensor, steps: Sequence[int], total: int) -> torch.Tensor:
+def timestep_grid(returned: torch.Tensor, sigmas: torch.Tensor, steps: Sequence[int], total: int) -> torch.Tensor:
     """Our ``dit_trajectory.timesteps`` (the ``[T]`` loop grid, the trainer reads step
     ``k``'s at index ``k``) from sglang-diffusion's: it records one timestep per *returned*
     latent (row ``j`` is step ``steps[j]``'s; the final latent's, step T, is dropped).
@@ -431,15 +482,18 @@ def _timestep_grid(returned: torch.Tensor, sigmas: torch.Tensor, steps: Sequence
     (1000 for SD3's scheduler; diffusers' flow-matching default when no row tells)."""
     returned = returned.reshape(-1)
     if returned.shape[0] != len(steps):
-        raise SglangEngineError(f"sglang-diffusion returned {returned.shape[0]} trajectory timesteps for "
-                                f"{len(steps)} latents (steps {list(steps)})")
+        raise SglangEngineError(
+            f"sglang-diffusion returned {returned.shape[0]} trajectory timesteps for {len(steps)} latents (steps {list(steps)})"
+        )
     sigmas = sigmas.reshape(-1).to(torch.float64)
     known = {step: returned[row] for row, step in enumerate(steps) if step < total}
     ratios = [float(value) / float(sigmas[step]) for step, value in known.items() if float(sigmas[step]) > 0]
     scale = ratios[0] if ratios else FLOW_MATCH_TRAIN_TIMESTEPS
     if any(abs(ratio - scale) > 1e-4 * abs(scale) for ratio in ratios):
-        raise SglangEngineError(f"sglang-diffusion's trajectory timesteps are not a fixed multiple of its sigmas "
-                                f"(timestep / sigma = {', '.join(f'{r:g}' for r in ratios)})")
+        raise SglangEngineError(
+            f"sglang-diffusion's trajectory timesteps are not a fixed multiple of its sigmas "
+            f"(timestep / sigma = {', '.join(f'{r:g}' for r in ratios)})"
+        )
     grid = (sigmas[:total] * scale).to(returned.dtype)
     for step, value in known.items():
         grid[step] = value  # the server's own value, bit for bit

@@ -1,7 +1,7 @@
 """The bytes of the ``/rollout/generate`` contract: msgpack documents with tensors inside.
 
 A tensor travels as a record ``{"__tensor__": True, "data": <safetensors bytes of
-{"t": tensor}>, "shape": [...], "dtype": "torch.float32"}`` (DESIGN section 5), the
+{"t": tensor}>, "shape": [...], "dtype": "torch.float32"}`` (docs/design.md, "The wire contract"), the
 encoding sglang-diffusion's rollout API uses, so a response of either server decodes with
 plain ``msgpack`` and ``safetensors``. Older sglang-diffusion builds sent ``data`` as a
 base64 string of the same safetensors bytes; :func:`decode_tensor` accepts both.
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import msgpack
 import torch
 
-from miles_core.engine.request import RolloutOutput
+from miles_core.errors import WireError
+from miles_core.request import RolloutOutput
 
 TENSOR_TAG = "__tensor__"
 _TENSOR_KEYS = frozenset({TENSOR_TAG, "data", "shape", "dtype"})
 _SCALARS = (type(None), bool, int, float, str, bytes)
-
-
-class WireError(ValueError):
-    """A document that does not follow the wire format; the message names the path."""
 
 
 # -- tensors ----------------------------------------------------------------------------
@@ -183,6 +181,15 @@ def unpack_outputs(data: bytes | bytearray | memoryview) -> list[RolloutOutput]:
 
 
 __all__ = [
-    "TENSOR_TAG", "WireError", "decode_tensor", "encode_tensor", "from_wire", "is_tensor_record",
-    "pack", "pack_outputs", "to_wire", "unpack", "unpack_outputs",
+    "TENSOR_TAG",
+    "WireError",
+    "decode_tensor",
+    "encode_tensor",
+    "from_wire",
+    "is_tensor_record",
+    "pack",
+    "pack_outputs",
+    "to_wire",
+    "unpack",
+    "unpack_outputs",
 ]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-
-class PromptDataError(ValueError):
-    """A prompt file or row that cannot be used."""
+from miles_core.errors import PromptDataError
 
 
 @dataclass(frozen=True)

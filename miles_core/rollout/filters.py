@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from miles_core.errors import FilterError
 from miles_core.rollout.sample import Sample
-from miles_core.training.run import RunError
 
 GROUP, SAMPLE, BUFFER = "group", "sample", "buffer"
 
@@ -60,10 +60,6 @@ SIGNATURES: dict[str, tuple[int, str]] = {
     SAMPLE: (2, "fn(args, groups) -> None, setting sample.remove_sample = True"),
 }
 """stage -> (positional arguments, the signature as the error messages spell it)."""
-
-
-class FilterError(RunError):
-    """A filter that cannot be loaded or returned the wrong thing; one line naming the flag."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +108,9 @@ def resolve_filter(stage: str, value: str | None) -> LoadedFilter | None:
     """The filter a flag names: a registered filter of ``stage``, or a dotted path to a
     callable taking the stage's arguments. None when the flag is unset; a
     :class:`FilterError` naming the flag otherwise."""
+    from miles_core.errors import ComponentLoadError, PathFlagError
     from miles_core.plugin_manager import get_host
-    from miles_core.refs import PathFlagError, resolve_path_flag
-    from miles_core.registry import ComponentLoadError
+    from miles_core.refs import resolve_path_flag
 
     if value is None:
         return None
@@ -144,9 +140,9 @@ def resolve_filter(stage: str, value: str | None) -> LoadedFilter | None:
             f"nor a dotted path package.module.function"
         )
     if not _accepts(fn, positional):
-        from miles_core.refs import _describe
+        from miles_core.refs import describe
 
-        raise FilterError(f"{flag} {value}: must be {signature}, got {_describe(fn)}")
+        raise FilterError(f"{flag} {value}: must be {signature}, got {describe(fn)}")
     return LoadedFilter(stage, value, fn)
 
 
@@ -194,7 +190,7 @@ class RolloutFilters:
         (samples of the kept groups masked in the loss: by the per-sample filter or a
         failed reward) and ``rollout/filter/drop_<reason>`` per reason a group filter gave."""
         n = self.config.n_samples_per_prompt
-        groups = [list(samples[start:start + n]) for start in range(0, len(samples), n)]
+        groups = [list(samples[start : start + n]) for start in range(0, len(samples), n)]
         metrics: dict[str, float] = {}
         kept = groups
         if self.group is not None:
@@ -228,8 +224,7 @@ class RolloutFilters:
                     )
             if any(not s.remove_sample for s in failed_before):
                 raise FilterError(
-                    f"{self.sample.where}: set remove_sample = False on a sample whose reward failed; "
-                    "a failed sample stays out of the loss"
+                    f"{self.sample.where}: set remove_sample = False on a sample whose reward failed; a failed sample stays out of the loss"
                 )
         metrics["rollout/filter/groups_kept"] = len(selected)
         metrics["rollout/filter/samples_removed"] = sum(s.remove_sample for group in selected for s in group)
@@ -248,8 +243,7 @@ def _verdict(loaded: LoadedFilter, value: Any) -> FilterOutput:
             keep = bool(keep.item())
     if not isinstance(keep, bool):
         raise FilterError(
-            f"{loaded.where}: must return a bool (keep the group) or FilterOutput(keep, reason), "
-            f"got {type(value).__name__} {value!r}"[:300]
+            f"{loaded.where}: must return a bool (keep the group) or FilterOutput(keep, reason), got {type(value).__name__} {value!r}"[:300]
         )
     if reason is not None and not isinstance(reason, str):
         raise FilterError(f"{loaded.where}: FilterOutput.reason must be a str or None, got {type(reason).__name__}")
@@ -265,10 +259,7 @@ def _check_selection(loaded: LoadedFilter, result: Any, groups: list[list[Sample
     selected = []
     for position, group in enumerate(result):
         if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or not all(isinstance(s, Sample) for s in group):
-            raise FilterError(
-                f"{loaded.where}: must return a list of groups (lists of Sample); item {position} is "
-                f"{type(group).__name__}"
-            )
+            raise FilterError(f"{loaded.where}: must return a list of groups (lists of Sample); item {position} is {type(group).__name__}")
         index = by_members.get(frozenset(map(id, group)))
         if index is None or len(group) != len(groups[index]):
             raise FilterError(
@@ -294,7 +285,8 @@ def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any
     import torch
 
     rewards = [
-        float(s.reward) for s in samples
+        float(s.reward)
+        for s in samples
         if s.reward is not None and not getattr(s, "reward_failed", False) and math.isfinite(float(s.reward))
     ]
     if len(rewards) < 2:
@@ -309,6 +301,13 @@ def pop_first(args: Any, rollout_id: int, groups: list[list[Sample]], num_groups
 
 
 __all__ = [
-    "DynamicFilterOutput", "FilterError", "FilterOutput", "FilterResult", "RolloutFilters", "check_reward_nonzero_std",
-    "filter_errors", "pop_first", "resolve_filter",
+    "DynamicFilterOutput",
+    "FilterError",
+    "FilterOutput",
+    "FilterResult",
+    "RolloutFilters",
+    "check_reward_nonzero_std",
+    "filter_errors",
+    "pop_first",
+    "resolve_filter",
 ]

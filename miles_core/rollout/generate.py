@@ -14,34 +14,19 @@ with the signature a ``--rollout-function-path`` function has, so one can wrap i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RolloutOutput, RolloutRequest
+from miles_core.request import RolloutRequest
 from miles_core.rollout.data import PromptRecord
+from miles_core.rollout.requests import Generate, engine_generate, extra_sampling_params
 from miles_core.rollout.sample import Sample
 from miles_core.rollout.seeds import Microgroup, group_index, microgroups
 from miles_core.step_strategies import StepStrategy, select_steps
 
 MicrogroupCallback = Callable[[list[Sample]], Awaitable[None]]
-Generate = Callable[[RolloutEngine, RolloutRequest], Awaitable[Sequence[RolloutOutput]]]
-
-
-async def engine_generate(engine: RolloutEngine, request: RolloutRequest) -> Sequence[RolloutOutput]:
-    return await engine.generate(request)
-
-
-def extra_sampling_params(config: Any) -> dict[str, Any]:
-    """The request's ``extra_sampling_params`` from the flags, for rollouts and
-    evaluation alike: Wan 2.2's second guidance scale and the schedule shift, under the
-    names sglang-diffusion reads."""
-    extra: dict[str, Any] = {}
-    if getattr(config, "diffusion_guidance_scale_2", None) is not None:
-        extra["guidance_scale_2"] = config.diffusion_guidance_scale_2
-    if getattr(config, "diffusion_flow_shift", None) is not None:
-        extra["flow_shift"] = config.diffusion_flow_shift
-    return extra
 
 
 @dataclass(frozen=True)
@@ -178,20 +163,27 @@ async def diffusion_rollout(
     the built-in evaluation of one eval set instead (``data_source.batch`` gives its
     prompts; fixed seeds, deterministic sampling, pixels only). Every request goes through
     ``--custom-generate-function-path`` when it is set."""
-    from miles_core.rollout.hooks import DATA_SOURCE_FLAG, HookError, generate_function, prompt_batch
+    from miles_core.errors import HookError
+    from miles_core.rollout.hooks import DATA_SOURCE_FLAG, generate_function, prompt_batch
 
     if data_source is None:
         raise HookError(f"the built-in rollout needs prompts: give --prompt-data or {DATA_SOURCE_FLAG}")
     generate = generate_function(config)
     if evaluation:
-        from miles_core.training.evaluation import eval_samples
+        from miles_core.rollout.evaluation import eval_samples
 
         return await eval_samples(config, engine, data_source.batch(rollout_id), generate)
     prompts = prompt_batch(config, data_source, rollout_id)
     epoch_of = getattr(data_source, "epoch_of", None)
     groups = await generate_rollout(
-        engine, RolloutSettings.from_config(config), rollout_id, prompts, strategy_from_config(config),
-        epoch=epoch_of(rollout_id) if epoch_of is not None else 0, on_microgroup=on_microgroup, generate=generate,
+        engine,
+        RolloutSettings.from_config(config),
+        rollout_id,
+        prompts,
+        strategy_from_config(config),
+        epoch=epoch_of(rollout_id) if epoch_of is not None else 0,
+        on_microgroup=on_microgroup,
+        generate=generate,
     )
     return [sample for group in groups for sample in group]
 
@@ -199,10 +191,11 @@ async def diffusion_rollout(
 def strategy_from_config(config: Any) -> StepStrategy:
     """``--diffusion-step-strategy-path`` when set; otherwise ``ode_and_return_last`` for
     losses that train without SDE steps (nft) and ``sde_window`` for the rest."""
-    from miles_core.plugin_manager import get_host
+    from miles_core.plugin_manager import get_host, loss_spec
     from miles_core.refs import resolve_path_flag
 
     if config.diffusion_step_strategy_path:
         return resolve_path_flag("--diffusion-step-strategy-path", config.diffusion_step_strategy_path, "callable")
-    name = "ode_and_return_last" if config.loss_type == "nft" else "sde_window"
+    trains_on = loss_spec(config).trains_on
+    name = "sde_window" if trains_on == "sde_transitions" else "ode_and_return_last"
     return get_host().registries.step_strategy.get(name).load()

@@ -11,17 +11,15 @@ one-line :class:`HookError` naming the flag, never a traceback deep in training.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.request import RolloutOutput, RolloutRequest
-from miles_core.refs import PathFlagError, resolve_path_flag
+from miles_core.errors import HookError
+from miles_core.refs import Hook, load_hook
+from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import DataSource, PromptRecord, PromptSource
 from miles_core.rollout.sample import Sample
-from miles_core.training.run import RunError
 
 ROLLOUT_FLAG = "--rollout-function-path"
 EVAL_FLAG = "--eval-function-path"
@@ -34,39 +32,6 @@ async or not; ``evaluation`` is passed only to an eval rollout."""
 
 GenerateFunction = Callable[[RolloutEngine, RolloutRequest], Awaitable[Sequence[RolloutOutput]] | Sequence[RolloutOutput]]
 """``(engine, request) -> list[RolloutOutput]``, async or not: one request's outputs."""
-
-
-class HookError(RunError):
-    """User code that cannot be loaded or returned the wrong thing; one line naming the flag."""
-
-
-@dataclass(frozen=True)
-class Hook:
-    """A loaded dotted-path flag: the function (or class) and where it came from."""
-
-    flag: str
-    path: str
-    fn: Callable[..., Any]
-
-    @property
-    def where(self) -> str:
-        return f"{self.flag} {self.path}"
-
-    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.fn(*args, **kwargs)
-        if inspect.isawaitable(result):  # async functions and sync ones alike
-            result = await result
-        return result
-
-
-def load_hook(flag: str, path: str | None, kind: str) -> Hook | None:
-    """The object ``path`` names, checked to be of ``kind``; None when the flag is unset."""
-    if path is None:
-        return None
-    try:
-        return Hook(flag, path, resolve_path_flag(flag, path, kind))
-    except PathFlagError as exc:
-        raise HookError(str(exc)) from None
 
 
 def rollout_hook(config: Any) -> Hook | None:
@@ -104,7 +69,7 @@ def check_samples(
     if expected is not None and len(samples) != expected:
         raise HookError(f"{hook.where}: returned {len(samples)} samples, expected {expected} ({size_flag} {group_size} per prompt)")
     for start in range(0, len(samples), group_size):
-        if len({(s.group_index, s.prompt) for s in samples[start:start + group_size]}) > 1:
+        if len({(s.group_index, s.prompt) for s in samples[start : start + group_size]}) > 1:
             raise HookError(
                 f"{hook.where}: samples {start}..{start + group_size - 1} are not one prompt group "
                 f"({size_flag} {group_size} consecutive samples share their prompt and group_index)"
@@ -117,7 +82,7 @@ def generate_function(config: Any) -> GenerateFunction:
     engine's own ``generate``."""
     hook = load_hook(GENERATE_FLAG, config.custom_generate_function_path, "generate_function")
     if hook is None:
-        from miles_core.rollout.generate import engine_generate
+        from miles_core.rollout.requests import engine_generate
 
         return engine_generate
 
@@ -134,9 +99,7 @@ def check_outputs(hook: Hook, request: RolloutRequest, outputs: Any) -> list[Rol
         raise HookError(f"{hook.where}: must return a list of RolloutOutput, got {type(outputs).__name__}")
     bad = next((item for item in outputs if not isinstance(item, RolloutOutput)), None)
     if bad is not None:
-        raise HookError(
-            f"{hook.where}: must return a list of miles_core.engine.request.RolloutOutput, got an item of type {type(bad).__name__}"
-        )
+        raise HookError(f"{hook.where}: must return a list of miles_core.request.RolloutOutput, got an item of type {type(bad).__name__}")
     if len(outputs) != request.num_outputs_per_prompt:
         raise HookError(f"{hook.where}: returned {len(outputs)} outputs for a request of {request.num_outputs_per_prompt}")
     for i, output in enumerate(outputs):
@@ -162,9 +125,7 @@ def prompt_batch(config: Any, data_source: DataSource, rollout_id: int) -> list[
     (the seed layout numbers groups by their position in a batch of that size)."""
     prompts = data_source.batch(rollout_id)
     where = f"{DATA_SOURCE_FLAG} {config.data_source_path}" if config.data_source_path else type(data_source).__qualname__
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not all(
-        isinstance(p, PromptRecord) for p in prompts
-    ):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not all(isinstance(p, PromptRecord) for p in prompts):
         raise HookError(f"{where}: batch({rollout_id}) must return a list of miles_core.rollout.data.PromptRecord")
     if len(prompts) != config.rollout_batch_size:
         raise HookError(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from miles_core.engine.request import RolloutOutput
+from miles_core.request import RolloutOutput
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The seed layout (DESIGN section 6).
+"""The seed layout (docs/design.md, "Seeds and microgroups").
 
 ``seed_base = (rollout_seed + group_index * n) % 2**31`` for a prompt group of ``n``
 samples; a microgroup starting at offset ``o`` of its group sends ``seed_base + o``, and

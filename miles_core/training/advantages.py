@@ -1,4 +1,4 @@
-"""GRPO advantages: per-prompt reward normalisation (DESIGN section 7).
+"""GRPO advantages: per-prompt reward normalisation (docs/design.md, "Advantages, losses and the EMA").
 
 Rewards arrive in sample order, ``n_samples_per_prompt`` consecutive samples per prompt.
 Each sample's advantage is its reward minus the group mean (the batch mean with
@@ -34,10 +34,9 @@ rewards instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
-
-import math
 
 import torch
 
@@ -139,8 +138,14 @@ def masked_grpo_advantages(
     if mask.shape != flat.shape:
         raise ValueError(f"valid mask of shape {tuple(mask.shape)} for rewards of shape {tuple(flat.shape)}")
     if bool(mask.all()):
-        return grpo_advantages(flat, n_samples_per_prompt, globalize_mean=globalize_mean, globalize_std=globalize_std,
-                               std_normalization=std_normalization, eps=eps)
+        return grpo_advantages(
+            flat,
+            n_samples_per_prompt,
+            globalize_mean=globalize_mean,
+            globalize_std=globalize_std,
+            std_normalization=std_normalization,
+            eps=eps,
+        )
     filled = torch.where(mask, flat, torch.zeros_like(flat))
     grpo_advantages(filled, n_samples_per_prompt)  # the shape checks, and finite valid rewards
     if not bool(mask.any()):
@@ -180,9 +185,7 @@ def _grpo_options(config: Any) -> dict[str, Any]:
     }
 
 
-def component_advantages(
-    rewards: torch.Tensor | Sequence[float], config: Any, samples: Sequence[Any], valid: torch.Tensor
-) -> torch.Tensor:
+def component_advantages(rewards: torch.Tensor | Sequence[float], config: Any, samples: Sequence[Any], valid: torch.Tensor) -> torch.Tensor:
     """``--reward-aggregation advantage``: ``sum_k w_k * A_k`` where ``A_k`` is component
     ``k`` (each sample's ``reward_components[k]``) normalised within its group over the
     valid samples, with ``config.reward_weights`` as ``w``. A group scored by a single
@@ -205,8 +208,9 @@ def component_advantages(
     total = torch.zeros_like(flat)
     for name, weight in weights.items():
         keep = valid & mixed
-        values = torch.tensor([float(s.reward_components.get(name, math.nan)) if k else 0.0
-                               for s, k in zip(samples, keep.tolist())], dtype=flat.dtype)
+        values = torch.tensor(
+            [float(s.reward_components.get(name, math.nan)) if k else 0.0 for s, k in zip(samples, keep.tolist())], dtype=flat.dtype
+        )
         total = total + weight * masked_grpo_advantages(values, keep, n, **options)
     single = valid & ~mixed
     if bool(single.any()):
@@ -335,6 +339,11 @@ def advantages_from_config(
 
 
 __all__ = [
-    "DEFAULT_EPS", "POST_PROCESS_FLAG", "advantages_from_config", "component_advantages", "grpo_advantages",
-    "masked_grpo_advantages", "post_process_rewards",
+    "DEFAULT_EPS",
+    "POST_PROCESS_FLAG",
+    "advantages_from_config",
+    "component_advantages",
+    "grpo_advantages",
+    "masked_grpo_advantages",
+    "post_process_rewards",
 ]

@@ -9,7 +9,7 @@ process-wide active backend.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -43,10 +43,7 @@ def attention_backends() -> list[str]:
 def _dispatching_processors(module: torch.nn.Module) -> int:
     # Processors that route through diffusers' dispatcher carry an _attention_backend slot;
     # the others call torch's SDPA directly and ignore any backend.
-    return sum(
-        1 for sub in module.modules()
-        if hasattr(getattr(sub, "processor", None), "_attention_backend")
-    )
+    return sum(1 for sub in module.modules() if hasattr(getattr(sub, "processor", None), "_attention_backend"))
 
 
 def set_attention_backend(modules: Mapping[str, torch.nn.Module], backend: str) -> None:
@@ -75,5 +72,9 @@ def set_attention_backend(modules: Mapping[str, torch.nn.Module], backend: str) 
 
 
 __all__ = [
-    "ATTENTION_FLAG", "CHECKPOINTING_FLAG", "attention_backends", "enable_gradient_checkpointing", "set_attention_backend",
+    "ATTENTION_FLAG",
+    "CHECKPOINTING_FLAG",
+    "attention_backends",
+    "enable_gradient_checkpointing",
+    "set_attention_backend",
 ]

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_core.errors import CheckpointError
+
 FORMAT = "miles-core-checkpoint"
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -55,11 +57,6 @@ _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # Keys that mark encoded values in the JSON structure files.
 _TAGS = ("__tensor__", "__tuple__", "__items__", "__float__")
 _HASH_CHUNK = 4 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read: missing, partial or corrupt. The message is one
-    line naming the path and what is wrong."""
 
 
 @dataclass
@@ -124,7 +121,7 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: Path) -> Any:
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
-        (tag, value), = obj.items()
+        ((tag, value),) = obj.items()
         if tag == "__tensor__":
             if value not in tensors:
                 raise CheckpointError(f"{where}: refers to tensor {value!r}, which its .safetensors file lacks")
@@ -195,8 +192,11 @@ def capture_rng() -> dict[str, Any]:
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {
-            "bit_generator": str(name), "state": [int(k) for k in keys], "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached),
+            "bit_generator": str(name),
+            "state": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
         }
     if torch.cuda.is_available():
         state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
@@ -221,10 +221,15 @@ def restore_rng(state: Mapping[str, Any]) -> None:
             np = None  # type: ignore[assignment]
         if np is not None:
             npst = state["numpy"]
-            np.random.set_state((
-                npst["bit_generator"], np.asarray(npst["state"], dtype=np.uint32), int(npst["pos"]),
-                int(npst["has_gauss"]), float(npst["cached_gaussian"]),
-            ))
+            np.random.set_state(
+                (
+                    npst["bit_generator"],
+                    np.asarray(npst["state"], dtype=np.uint32),
+                    int(npst["pos"]),
+                    int(npst["has_gauss"]),
+                    float(npst["cached_gaussian"]),
+                )
+            )
     cuda_states = state.get("torch_cuda")
     if cuda_states and torch.cuda.is_available():
         for device, cuda_state in enumerate(list(cuda_states)[: torch.cuda.device_count()]):
@@ -274,7 +279,7 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     _fsync_path(path)
 
@@ -341,20 +346,20 @@ def save_checkpoint(
         (tmp / "model").mkdir()
         for name, tensors in model_state.items():
             cpu = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-            _write_tensors(tmp / "model" / f"{name}.safetensors", cpu)
+            write_tensors(tmp / "model" / f"{name}.safetensors", cpu)
             del cpu  # one component's copy in memory at a time
             files.append(f"model/{name}.safetensors")
         _fsync_path(tmp / "model", directory=True)
         if optimizer_state is not None:
             opt_tensors, opt_structure = optimizer_state_to_tensors(optimizer_state)
-            _write_tensors(tmp / "optimizer.safetensors", opt_tensors)
+            write_tensors(tmp / "optimizer.safetensors", opt_tensors)
             _write_json(tmp / "optimizer.json", opt_structure)
             files += ["optimizer.safetensors", "optimizer.json"]
-        _write_tensors(tmp / "rng.safetensors", rng_tensors)
+        write_tensors(tmp / "rng.safetensors", rng_tensors)
         _write_json(tmp / "rng.json", rng_structure)
         files += ["rng.safetensors", "rng.json"]
         if extra_tensors:
-            _write_tensors(tmp / "extra.safetensors", extra_tensors)
+            write_tensors(tmp / "extra.safetensors", extra_tensors)
             files.append("extra.safetensors")
         meta = {
             "format": FORMAT,
@@ -418,9 +423,7 @@ def _read_meta(directory: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: not a {FORMAT} meta file")
     if not isinstance(meta.get("format_version"), int) or meta["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_path}: format version {meta.get('format_version')!r}; this miles-core reads up to {FORMAT_VERSION}"
-        )
+        raise CheckpointError(f"{meta_path}: format version {meta.get('format_version')!r}; this miles-core reads up to {FORMAT_VERSION}")
     for name, info in meta.get("files", {}).items():
         path = directory / name
         if not path.is_file():
@@ -551,8 +554,12 @@ def load_checkpoint(root: Path, step: int | None = None, *, verify: bool = True)
         extra_tensors = _load_tensors(directory / "extra.safetensors", files["extra.safetensors"], verify)
     extra = _decode(meta.get("extra", {}), extra_tensors, directory / "meta.json")
     return Checkpoint(
-        rollout_id=int(step), model_state=model_state, optimizer_state=optimizer_state,
-        rng_state=rng_state, extra=extra, path=directory,
+        rollout_id=int(step),
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        rng_state=rng_state,
+        extra=extra,
+        path=directory,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 def check_ci_metric(config: Any, metrics_path: str | Path) -> float | None:
     """Check the run's metric; return its value (None without ``--ci-test``). A miss
     raises :class:`~miles_core.training.run.RunError`."""
-    from miles_core.training.run import RunError
+    from miles_core.errors import RunFailedError
 
     if not config.ci_test:
         return None
@@ -34,15 +34,15 @@ def check_ci_metric(config: Any, metrics_path: str | Path) -> float | None:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise RunError(f"--ci-test: {path}:{number} is not JSON ({exc.msg})") from None
+            raise RunFailedError(f"--ci-test: {path}:{number} is not JSON ({exc.msg})") from None
         if isinstance(record, dict) and key in record:
             value, found = record[key], True
     if not found:
-        raise RunError(f"--ci-test: no record of {path} has --ci-metric-checker-key {key!r}")
+        raise RunFailedError(f"--ci-test: no record of {path} has --ci-metric-checker-key {key!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise RunError(f"--ci-test: metric {key!r} is {value!r}, not a number (threshold {threshold})")
+        raise RunFailedError(f"--ci-test: metric {key!r} is {value!r}, not a number (threshold {threshold})")
     if value < threshold:
-        raise RunError(
+        raise RunFailedError(
             f"--ci-test: metric {key!r} is {value}, below --ci-metric-checker-threshold {threshold} (last record of {path})"
         )
     return float(value)

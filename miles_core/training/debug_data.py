@@ -12,7 +12,7 @@ metadata, group index, index in group, seed, SDE steps, reward (NaN when it fail
 reward components, ``reward_failed``, ``reward_failures`` (per reward) and ``remove_sample`` (files written before
 ``reward_failed`` existed read as not failed), and ``outputs`` is
 :func:`~miles_core.engine.wire.pack_outputs` of the samples'
-:class:`~miles_core.engine.request.RolloutOutput` records (a ``/rollout/generate``
+:class:`~miles_core.request.RolloutOutput` records (a ``/rollout/generate``
 response body: pixels, log-probs, trajectories, conditioning), in the same order.
 
 Train data: ``{"format": TRAIN_FORMAT, "version", "rollout_id", "samples": {...},
@@ -25,22 +25,19 @@ rollout's train metrics.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from miles_core.engine.wire import WireError, pack, pack_outputs, unpack, unpack_outputs
+from miles_core.engine.wire import pack, pack_outputs, unpack, unpack_outputs
+from miles_core.errors import DebugDataError, WireError
 from miles_core.rollout.sample import Sample
-from miles_core.training.run import RunError
 
 ROLLOUT_FORMAT = "miles-core rollout data"
 TRAIN_FORMAT = "miles-core train data"
 VERSION = 1
-
-
-class DebugDataError(RunError):
-    """A debug file that cannot be read or written; the message names the flag and path."""
 
 
 def debug_path(template: str, rollout_id: int) -> Path:
@@ -139,9 +136,7 @@ def load_rollout_data(
     return samples, rewards
 
 
-def subsample_groups(
-    samples: Sequence[Sample], rewards: torch.Tensor, fraction: float, *, seed: int
-) -> tuple[list[Sample], torch.Tensor]:
+def subsample_groups(samples: Sequence[Sample], rewards: torch.Tensor, fraction: float, *, seed: int) -> tuple[list[Sample], torch.Tensor]:
     """Whole prompt groups (advantages normalise within a group), ``round(fraction x
     groups)`` of them and at least one, picked by ``torch.Generator().manual_seed(seed)``
     (the global RNG is untouched) and kept in their original order."""
@@ -205,6 +200,13 @@ def load_train_data(path: str | Path) -> dict[str, Any]:
 
 
 __all__ = [
-    "DebugDataError", "ROLLOUT_FORMAT", "TRAIN_FORMAT", "debug_path", "load_rollout_data", "load_train_data",
-    "save_rollout_data", "save_train_data", "subsample_groups",
+    "DebugDataError",
+    "ROLLOUT_FORMAT",
+    "TRAIN_FORMAT",
+    "debug_path",
+    "load_rollout_data",
+    "load_train_data",
+    "save_rollout_data",
+    "save_train_data",
+    "subsample_groups",
 ]

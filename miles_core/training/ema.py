@@ -1,6 +1,6 @@
 """EMA of the trained weights: the old policy of DiffusionNFT and the ``ema`` reference.
 
-Decay schedule (DESIGN section 7, the ``--ema-decay-*`` flags): ``decay_init`` for the
+Decay schedule (docs/design.md, "Advantages, losses and the EMA"; the ``--ema-decay-*`` flags): ``decay_init`` for the
 first ``flat_steps`` steps, then ``min((step - flat_steps) * ramp, decay_max)``; the ramp
 restarts from zero at the end of the flat period, so the decay may drop there. Update:
 ``ema <- d * ema + (1 - d) * theta``.

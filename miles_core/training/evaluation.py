@@ -24,18 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from miles_core.engine.request import RolloutRequest
+from miles_core.request import RolloutRequest
 from miles_core.rollout.data import PromptRecord, load_prompts
-from miles_core.rollout.generate import Generate, diffusion_rollout, engine_generate, extra_sampling_params
+from miles_core.rollout.evaluation import EvalPrompts, eval_requests
+from miles_core.rollout.generate import diffusion_rollout
 from miles_core.rollout.hooks import check_samples, eval_hook
 from miles_core.rollout.sample import Sample
-
-EVAL_SEED_OFFSET = 2**30
-"""Eval seeds start here (mod 2**31), away from the first training groups' seeds."""
 
 
 @dataclass
@@ -45,57 +43,6 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[Sample]] = field(default_factory=dict)
     """Each eval set's scored samples (what ``--custom-eval-rollout-log-function-path`` gets)."""
-
-
-class EvalPrompts:
-    """One eval set as a data source: :meth:`batch` gives all its prompts, every time."""
-
-    def __init__(self, name: str, records: Sequence[PromptRecord]) -> None:
-        self.name = name
-        self.records = list(records)
-
-    def batch(self, rollout_id: int) -> list[PromptRecord]:
-        return list(self.records)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
-
-
-def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutRequest]:
-    """One request per prompt: ``--n-samples-per-eval-prompt`` outputs, seeds fixed for
-    the run (prompt ``j`` of every eval set gets the same seeds), ODE sampling."""
-    n = config.n_samples_per_eval_prompt
-    frames = config.diffusion_output_num_frames
-    return [
-        RolloutRequest(
-            prompt=record.prompt, negative_prompt=config.diffusion_negative_prompt,
-            seed=(config.rollout_seed + EVAL_SEED_OFFSET + j * n) % 2**31, num_outputs_per_prompt=n,
-            num_inference_steps=config.diffusion_eval_num_steps or config.diffusion_num_steps,
-            guidance_scale=config.diffusion_guidance_scale, true_cfg_scale=config.diffusion_true_cfg_scale,
-            height=config.diffusion_height, width=config.diffusion_width,
-            num_frames=frames if frames and frames > 1 else None, fps=config.diffusion_fps,
-            rollout=False, extra_sampling_params=extra_sampling_params(config),
-        )
-        for j, record in enumerate(records)
-    ]
-
-
-async def eval_samples(
-    config: Any, engine: Any, records: Sequence[PromptRecord], generate: Generate = engine_generate
-) -> list[Sample]:
-    """The built-in evaluation's samples of one eval set, prompt after prompt."""
-    import asyncio
-
-    outputs = await asyncio.gather(*(generate(engine, r) for r in eval_requests(config, records)))
-    return [
-        Sample(prompt=record.prompt, metadata=dict(record.metadata), rollout_id=-1, group_index=j,
-               index_in_group=i, seed=output.seed, sde_step_indices=(), output=output)
-        for j, (record, group) in enumerate(zip(records, outputs))
-        for i, output in enumerate(group)
-    ]
 
 
 class Evaluator:
@@ -114,13 +61,11 @@ class Evaluator:
         if self.scorer is None:
             # A reward on a Ray worker (--use-ray) evaluates there too, with the same models.
             sibling = getattr(self.training_scorer, "evaluation_scorer", None)
-            self.scorer = sibling() if sibling is not None else RewardScorer(
-                config, evaluation=True, share=self.training_scorer)
+            self.scorer = sibling() if sibling is not None else RewardScorer(config, evaluation=True, share=self.training_scorer)
         pairs = list(config.eval_prompt_data or [])
         key = config.eval_input_key or config.input_key
         self.datasets: dict[str, list[PromptRecord]] = {
-            pairs[i]: load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key)
-            for i in range(0, len(pairs), 2)
+            pairs[i]: load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key) for i in range(0, len(pairs), 2)
         }
         self.first: EvalResult | None = None
         self.hook = eval_hook(config)  # None: the built-in evaluation

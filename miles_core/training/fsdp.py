@@ -125,7 +125,10 @@ def init_process_group(
     host = f"[{master_addr}]" if ":" in str(master_addr) and not str(master_addr).startswith("[") else master_addr
     try:
         dist.init_process_group(
-            backend, init_method=f"tcp://{host}:{int(master_port)}", rank=int(rank), world_size=int(world_size),
+            backend,
+            init_method=f"tcp://{host}:{int(master_port)}",
+            rank=int(rank),
+            world_size=int(world_size),
             timeout=timedelta(minutes=float(timeout_minutes)),
         )
     except Exception as exc:  # the store and backends raise assorted types; one line names the setup
@@ -139,8 +142,13 @@ def init_from_config(config: Any, rank: int, *, master_addr: str, master_port: i
     """:func:`init_process_group` with ``config.world_size``, ``--distributed-backend``
     and ``--distributed-timeout-minutes``."""
     init_process_group(
-        rank, config.world_size, master_addr=master_addr, master_port=master_port,
-        backend=config.distributed_backend, timeout_minutes=config.distributed_timeout_minutes, device=device,
+        rank,
+        config.world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        backend=config.distributed_backend,
+        timeout_minutes=config.distributed_timeout_minutes,
+        device=device,
     )
 
 
@@ -253,8 +261,9 @@ def same_starting_weights(modules: Mapping[str, torch.nn.Module]) -> list[str]:
     that differ; returns their names."""
     import torch.distributed as dist
 
-    params = [(f"{component}.{name}", p) for component, module in modules.items()
-              for name, p in module.named_parameters() if p.requires_grad]
+    params = [
+        (f"{component}.{name}", p) for component, module in modules.items() for name, p in module.named_parameters() if p.requires_grad
+    ]
     prints = [(float(p.double().sum()), float(p.double().square().sum())) for _, p in params]
     gathered = all_gather_object(prints)
     differing = [i for i in range(len(params)) if any(ranks[i] != gathered[0][i] for ranks in gathered)]
@@ -305,8 +314,9 @@ def load_full_tensors(module: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     names, each rank its shard; shapes are checked against the full shapes."""
     from miles_core.weights import load_named_tensors
 
-    return load_named_tensors(module, tensors, module_name=module_name,
-                              place=lambda tensor, target: distribute_like(tensor.to(target.dtype), target))
+    return load_named_tensors(
+        module, tensors, module_name=module_name, place=lambda tensor, target: distribute_like(tensor.to(target.dtype), target)
+    )
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -365,6 +375,7 @@ def check_plans(plans: Sequence[Sequence[Sequence[Any]]], *, first_step: int = 0
     """``plans[rank][step]`` lists the micro-batches (a label each, e.g. the expert) that
     ``rank`` will run in each optimizer step; raise a one-line ``ValueError`` naming every
     rank's count when the ranks disagree (FSDP2's collectives would otherwise hang)."""
+
     def each(values: Iterable[Any]) -> str:
         return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -82,9 +83,7 @@ class LRSchedule:
             if self.wsd_decay_iters is None:
                 raise ValueError("--lr-decay-style wsd needs --lr-wsd-decay-iters")
             if not 0 < self.wsd_decay_iters <= self.decay_iters:
-                raise ValueError(
-                    f"--lr-wsd-decay-iters {self.wsd_decay_iters} must be in 1..{self.decay_iters} (the decay iterations)"
-                )
+                raise ValueError(f"--lr-wsd-decay-iters {self.wsd_decay_iters} must be in 1..{self.decay_iters} (the decay iterations)")
             style = self.wsd_decay_style or DEFAULT_WSD_DECAY_STYLE
             if style not in WSD_DECAY_STYLES:
                 raise ValueError(f"--lr-wsd-decay-style {style!r}: choose one of {', '.join(WSD_DECAY_STYLES)}")
@@ -190,9 +189,7 @@ def use_checkpoint_schedule(config: Any) -> bool:
     return not config.override_lr_scheduler and config.use_checkpoint_lr_scheduler is not False
 
 
-def resolve_schedule_on_resume(
-    config: Any, schedule: LRSchedule, saved: Mapping[str, Any] | None
-) -> tuple[LRSchedule, list[str]]:
+def resolve_schedule_on_resume(config: Any, schedule: LRSchedule, saved: Mapping[str, Any] | None) -> tuple[LRSchedule, list[str]]:
     """The schedule a resumed run uses, and one warning line per setting where the
     checkpoint's and the command line's differ.
 
@@ -235,8 +232,8 @@ def resume_schedule(config: Any, schedule: LRSchedule, log: Callable[[str], None
     raises :class:`~miles_core.training.run.RunError`."""
     from pathlib import Path
 
+    from miles_core.errors import RunError
     from miles_core.training.checkpoint import read_extra
-    from miles_core.training.run import RunError
 
     if not config.load:
         return schedule
@@ -253,6 +250,14 @@ def resume_schedule(config: Any, schedule: LRSchedule, log: Callable[[str], None
 
 
 __all__ = [
-    "DECAY_STYLES", "DEFAULT_WSD_DECAY_STYLE", "SCHEDULE_KEY", "WSD_DECAY_STYLES", "LRSchedule", "from_config",
-    "resolve_schedule_on_resume", "resume_schedule", "schedule_state", "use_checkpoint_schedule",
+    "DECAY_STYLES",
+    "DEFAULT_WSD_DECAY_STYLE",
+    "SCHEDULE_KEY",
+    "WSD_DECAY_STYLES",
+    "LRSchedule",
+    "from_config",
+    "resolve_schedule_on_resume",
+    "resume_schedule",
+    "schedule_state",
+    "use_checkpoint_schedule",
 ]

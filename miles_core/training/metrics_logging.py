@@ -21,19 +21,16 @@ import math
 import secrets
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from miles_core.training.run import RunError
+from miles_core.errors import LoggerError
 
 WANDB_MISSING = "--use-wandb needs the wandb package: pip install miles-core[wandb]"
-
-
-class LoggerError(RunError):
-    """A logger that cannot start; the message names the flag."""
 
 
 # -- W&B -----------------------------------------------------------------------------------
@@ -206,7 +203,8 @@ def custom_log_function(config: Any, *, evaluation: bool = False) -> CustomLog:
     logged. True skips that default logging (those keys in ``metrics.jsonl`` and W&B, and
     the rollout's W&B images or the evaluation's sample grids). Without the flag the
     returned function logs nothing and never skips."""
-    from miles_core.rollout.hooks import HookError, load_hook
+    from miles_core.errors import HookError
+    from miles_core.rollout.hooks import load_hook
 
     flag = EVAL_LOG_FLAG if evaluation else ROLLOUT_LOG_FLAG
     path = config.custom_eval_rollout_log_function_path if evaluation else config.custom_rollout_log_function_path
@@ -272,6 +270,7 @@ class Progress:
             yield
             return
         with self.phase(description, 0, unit) as bar:
+
             def advance(done: int, total: int) -> None:
                 bar.total, bar.n = total, done
                 bar.refresh()
@@ -284,6 +283,12 @@ class Progress:
 
 
 __all__ = [
-    "LoggerError", "Progress", "WANDB_MISSING", "WandbLogger", "custom_log_function", "metrics_logger", "require_wandb",
+    "LoggerError",
+    "Progress",
+    "WANDB_MISSING",
+    "WandbLogger",
+    "custom_log_function",
+    "metrics_logger",
+    "require_wandb",
     "run_name",
 ]

@@ -16,8 +16,9 @@ flat cut starts a new micro-batch, a tile is split by denoiser, order kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,9 +68,14 @@ def params_from_env(env: dict[str, Any], num_steps: int) -> GenerationParams:
     scale = float(guidance.pop("guidance_scale"))
     true_cfg = guidance.pop("true_cfg_scale", None)
     return GenerationParams(
-        height=int(image["height"]), width=int(image["width"]), num_inference_steps=num_steps,
-        guidance_scale=scale, num_frames=image.get("num_frames"), fps=image.get("fps"),
-        true_cfg_scale=true_cfg, extra=guidance,
+        height=int(image["height"]),
+        width=int(image["width"]),
+        num_inference_steps=num_steps,
+        guidance_scale=scale,
+        num_frames=image.get("num_frames"),
+        fps=image.get("fps"),
+        true_cfg_scale=true_cfg,
+        extra=guidance,
     )
 
 
@@ -96,23 +102,25 @@ def build_pairs(config: Any, samples: Sequence[Sample], advantages: torch.Tensor
         for k in sample.sde_step_indices:
             if k not in positions or k + 1 not in positions:
                 raise ValueError(f"sample {index}: the trajectory lacks latents {k} and {k + 1} of SDE step {k}")
-            pairs.append(TrainPair(
-                sample_index=index,
-                step=int(k),
-                x={name: trajectory[name][positions[k]] for name in streams},
-                x_next={name: trajectory[name][positions[k + 1]] for name in streams},
-                timestep=timesteps[k],
-                sigma=float(sigmas[k]),
-                sigma_next=float(sigmas[k + 1]),
-                sigma_max=float(sigmas[1]) if num_steps > 1 else float(sigmas[0]),
-                old_log_prob=float(output.rollout_log_probs[k]),
-                advantage=float(advantage),
-                cond=cond,
-                params=params,
-                engine_velocity=None if debug is None else debug["rollout_model_outputs"][k],
-                loss_mask=0.0 if sample.remove_sample else 1.0,
-                denoiser=family.denoiser_for(timesteps[k], params),
-            ))
+            pairs.append(
+                TrainPair(
+                    sample_index=index,
+                    step=int(k),
+                    x={name: trajectory[name][positions[k]] for name in streams},
+                    x_next={name: trajectory[name][positions[k + 1]] for name in streams},
+                    timestep=timesteps[k],
+                    sigma=float(sigmas[k]),
+                    sigma_next=float(sigmas[k + 1]),
+                    sigma_max=float(sigmas[1]) if num_steps > 1 else float(sigmas[0]),
+                    old_log_prob=float(output.rollout_log_probs[k]),
+                    advantage=float(advantage),
+                    cond=cond,
+                    params=params,
+                    engine_velocity=None if debug is None else debug["rollout_model_outputs"][k],
+                    loss_mask=0.0 if sample.remove_sample else 1.0,
+                    denoiser=family.denoiser_for(timesteps[k], params),
+                )
+            )
     return pairs
 
 
@@ -132,8 +140,11 @@ def micro_batches(pairs: Sequence[TrainPair], config: Any) -> list[list[TrainPai
 
 
 def _compatible(a: TrainPair, b: TrainPair) -> bool:
-    return a.denoiser == b.denoiser and a.params == b.params and a.x.keys() == b.x.keys() and all(
-        a.x[name].shape == b.x[name].shape for name in a.x
+    return (
+        a.denoiser == b.denoiser
+        and a.params == b.params
+        and a.x.keys() == b.x.keys()
+        and all(a.x[name].shape == b.x[name].shape for name in a.x)
     )
 
 
@@ -185,15 +196,14 @@ def collate(batch: Sequence[TrainPair]) -> dict[str, Any]:
         "loss_mask": torch.tensor([p.loss_mask for p in batch], dtype=torch.float32),
         "cond": Conditioning.cat([p.cond for p in batch]),
         "params": batch[0].params,
-        "engine_velocity": (
-            torch.stack([p.engine_velocity for p in batch]) if all(p.engine_velocity is not None for p in batch) else None
-        ),
+        "engine_velocity": (torch.stack([p.engine_velocity for p in batch]) if all(p.engine_velocity is not None for p in batch) else None),
     }
 
 
 def on_device(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A collated micro-batch with its tensors on the model's device (the engine's
     records come back on the CPU)."""
+
     def move(value: Any) -> Any:
         if torch.is_tensor(value):
             return value.to(device)

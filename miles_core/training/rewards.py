@@ -60,23 +60,18 @@ import logging
 import math
 import numbers
 import threading
-from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from miles_core.errors import RewardError, RewardsFailedError
 from miles_core.rollout.sample import Sample
 
 log = logging.getLogger("miles_core.rewards")
 
 CUSTOM = "--custom-rm-path"
 """Key of the custom reward in a scorer's call plan."""
-
-
-class RewardError(RuntimeError):
-    """A reward that cannot be used at all (not one sample's failure): an unknown name,
-    a reward that cannot be built, or a return value of the wrong shape or type; and a
-    rollout in which every sample's reward failed."""
 
 
 def _brief(sample: Any) -> str:
@@ -126,7 +121,7 @@ class _Queue:
 
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RewardScorer:
@@ -142,7 +137,11 @@ class RewardScorer:
     """
 
     def __init__(
-        self, config: Any, *, evaluation: bool = False, share: RewardScorer | None = None,
+        self,
+        config: Any,
+        *,
+        evaluation: bool = False,
+        share: RewardScorer | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         """Build the default reward(s) now, so a missing model fails before the run starts.
@@ -189,8 +188,9 @@ class RewardScorer:
         elif get("rm_type"):
             self.default = config.rm_type
         else:
-            raise RewardError("no reward: set --rm-type (a registered reward), --reward-weights (a mixture) or "
-                              "--custom-rm-path (your own function)")
+            raise RewardError(
+                "no reward: set --rm-type (a registered reward), --reward-weights (a mixture) or --custom-rm-path (your own function)"
+            )
         if self.custom is not None:
             self.name = f"{CUSTOM} {config.custom_rm_path}"
         elif self.weights is not None:
@@ -236,9 +236,7 @@ class RewardScorer:
     def _call_registered(self, name: str, samples: Sequence[Any]) -> Any:
         reward = self._reward(name)
         with self._call_locks[name]:
-            return reward(
-                [s.pixels for s in samples], [s.prompt for s in samples], [getattr(s, "metadata", {}) for s in samples]
-            )
+            return reward([s.pixels for s in samples], [s.prompt for s in samples], [getattr(s, "metadata", {}) for s in samples])
 
     async def _call(self, name: str, samples: list[Any]) -> list[Any]:
         """The raw values of reward ``name`` (or :data:`CUSTOM`) for ``samples``: one
@@ -288,7 +286,7 @@ class RewardScorer:
                 start = 0
                 for part, future in batch:
                     if not future.done():
-                        future.set_result(results[start:start + len(part)])
+                        future.set_result(results[start : start + len(part)])
                     start += len(part)
                 batch = []
         finally:
@@ -358,8 +356,7 @@ class RewardScorer:
                     failed.append(f"{_brief(sample)}: {one.reason}")
                 parsed.append(one)
             if failed:
-                self.warn(f"{label}: {len(failed)} of {len(samples)} sample(s) failed on their own and are masked: "
-                          f"{_listed(failed)}")
+                self.warn(f"{label}: {len(failed)} of {len(samples)} sample(s) failed on their own and are masked: {_listed(failed)}")
             return parsed
         bad = [f"{_brief(s)} {p.reason}" for s, p in zip(samples, parsed) if isinstance(p, _Failure)]
         if bad:
@@ -402,9 +399,7 @@ class RewardScorer:
             self._outcomes[id(sample)] = {
                 name: (value.reason if isinstance(value, _Failure) else None) for name, value in zip(names, values)
             }
-            sample.reward_failures = {
-                self.metric_name(name): isinstance(value, _Failure) for name, value in zip(names, values)
-            }
+            sample.reward_failures = {self.metric_name(name): isinstance(value, _Failure) for name, value in zip(names, values)}
             components: dict[str, float] = {}
             if self.weights is not None and reward_set is None:
                 for name, value in zip(names, values):
@@ -479,17 +474,20 @@ class RewardScorer:
         what = "evaluation" if self.evaluation else "rollout"
         dead = [(name, scored, error) for name, (scored, failed, error) in tally.items() if scored and failed == scored]
         if dead:
-            raise RewardError("; ".join(
-                f"reward {self.label(None) if name == CUSTOM else name} failed for every sample it scored in this "
-                f"{what} ({scored} sample{'s' if scored != 1 else ''}); last error: {_one_line(error)}"
-                for name, scored, error in dead
-            ))
+            raise RewardsFailedError(
+                "; ".join(
+                    f"reward {self.label(None) if name == CUSTOM else name} failed for every sample it scored in this "
+                    f"{what} ({scored} sample{'s' if scored != 1 else ''}); last error: {_one_line(error)}"
+                    for name, scored, error in dead
+                )
+            )
         failed = [s for s in samples if getattr(s, "reward_failed", False)]
         if samples and len(failed) == len(samples):
             counts = ", ".join(f"{self.label(None) if n == CUSTOM else n} {c[1]} of {c[0]}" for n, c in tally.items() if c[1])
-            raise RewardError(
+            raise RewardsFailedError(
                 f"reward {self.name} failed for every sample of the {what} ({len(samples)} samples"
-                + (f"; failures per reward: {counts}" if counts else "") + "); see the warnings above for why"
+                + (f"; failures per reward: {counts}" if counts else "")
+                + "); see the warnings above for why"
             )
         metrics = reward_metrics(samples, prefix=prefix)
         metrics.update(own)
@@ -506,12 +504,14 @@ def reward_metrics(samples: Sequence[Any], *, prefix: str = "rollout/reward/") -
     if valid:
         # float32, the dtype of the rewards tensor score() returns (the numbers run.py logged before)
         rewards = torch.tensor([float(s.reward) for s in valid], dtype=torch.float32)
-        metrics.update({
-            f"{prefix}raw_mean": float(rewards.mean()),
-            f"{prefix}raw_std": float(rewards.std(unbiased=False)),
-            f"{prefix}raw_min": float(rewards.min()),
-            f"{prefix}raw_max": float(rewards.max()),
-        })
+        metrics.update(
+            {
+                f"{prefix}raw_mean": float(rewards.mean()),
+                f"{prefix}raw_std": float(rewards.std(unbiased=False)),
+                f"{prefix}raw_min": float(rewards.min()),
+                f"{prefix}raw_max": float(rewards.max()),
+            }
+        )
     metrics[f"{prefix}failed"] = len(samples) - len(valid)
     per_reward: dict[str, int] = {}
     for sample in samples:

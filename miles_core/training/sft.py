@@ -10,22 +10,24 @@ The schedule is the checkpoint scheduler's over ``--diffusion-num-steps`` steps,
 ``--fsdp-flow-shift s``, that scheduler rebuilt with ``shift = s`` (``σ' = s·σ / (1 +
 (s − 1)·σ)`` on its unshifted grid). ``--sft-encoder-checkpoint DIR`` takes the
 tokenizers, text encoders and VAE from another pipeline directory than the transformer
-(:func:`load_sft_family`).
+(:func:`miles_core.model_loading.load_sft_family`).
 """
 
 from __future__ import annotations
 
-import inspect
-import json
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from miles_core.engine.request import FLOW_SHIFT, RolloutRequest
+from miles_core.errors import PromptDataError
 from miles_core.family import GenerationParams
-from miles_core.rollout.data import PromptDataError, jsonl_rows
+from miles_core.request import FLOW_SHIFT, RolloutRequest
+from miles_core.rollout.data import jsonl_rows
+from miles_core.training.run_context import RunContext
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,11 @@ def sft_params(family: Any, config: Any) -> GenerationParams:
     engine supplies scheduler metadata here) travels as the request's ``flow_shift``."""
     shift = config.fsdp_flow_shift
     request = RolloutRequest(
-        prompt="", num_inference_steps=config.diffusion_num_steps, guidance_scale=1.0,
-        height=config.diffusion_height, width=config.diffusion_width,
+        prompt="",
+        num_inference_steps=config.diffusion_num_steps,
+        guidance_scale=1.0,
+        height=config.diffusion_height,
+        width=config.diffusion_width,
         extra_sampling_params={FLOW_SHIFT: shift} if shift is not None else {},
     )
     return family.resolve_params(request)
@@ -104,58 +109,20 @@ def sft_batch(
     }
 
 
-# -- --sft-encoder-checkpoint ------------------------------------------------------------
+async def sft_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], tuple[()]]]:
+    """The SFT loop: each "rollout" is ``--num-steps-per-rollout`` optimizer steps over
+    ``rollout_batch_size x n_samples_per_prompt`` rows of ``run.rows``."""
+    from miles_core.rollout.data import PromptSource
+    from miles_core.training.metrics_logging import Progress
 
-_ENCODER_PREFIXES = ("tokenizer", "text_encoder")
-
-
-def encoder_components(pipeline_cls: type) -> list[str]:
-    """The pipeline's tokenizers, text encoders and VAE(s), by ``__init__`` argument name
-    (SD3: ``tokenizer``..``tokenizer_3``, ``text_encoder``..``text_encoder_3``, ``vae``)."""
-    names = [name for name in inspect.signature(pipeline_cls.__init__).parameters if name != "self"]
-    return [n for n in names if n.startswith(_ENCODER_PREFIXES) or n == "vae" or n.endswith("_vae")]
-
-
-def load_sft_family(config: Any) -> Any:
-    """The model family of an SFT run: ``--hf-checkpoint``'s pipeline, whose tokenizers,
-    text encoders and VAE come from ``--sft-encoder-checkpoint`` when it is set (passed
-    to diffusers' ``from_pretrained`` as component overrides, so the transformer
-    checkpoint's own copies are never loaded and may be absent). The encoder checkpoint
-    must be a local diffusers directory listing every such component in its
-    ``model_index.json`` (``[null, null]`` there means "none", e.g. SD3 without T5) with
-    a folder for each listed one; otherwise a one-line error names what is missing."""
-    from miles_core.model_loading import family_class, model_device, torch_dtype
-    from miles_core.training.run import RunError
-
-    dtype = torch_dtype(config.diffusion_forward_dtype)
-    device = model_device()
-    family_cls = family_class(config)
-    if not config.sft_encoder_checkpoint:
-        return family_cls.from_pretrained(config.hf_checkpoint, device=device, dtype=dtype)
-    flag = f"--sft-encoder-checkpoint {config.sft_encoder_checkpoint}"
-    root = Path(config.sft_encoder_checkpoint)
-    index_path = root / "model_index.json"
-    if not index_path.is_file():
-        raise RunError(f"{flag}: not a local diffusers pipeline directory (no model_index.json)")
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RunError(f"{flag}: unreadable model_index.json ({exc})".replace("\n", " ")) from None
-    pipeline_cls = family_cls.resolve_pipeline_class()
-    wanted = encoder_components(pipeline_cls)
-    absent = [n for n in wanted if isinstance(index.get(n), list) and index[n][:1] == [None]]
-    missing = [n for n in wanted if n not in index or (n not in absent and not (root / n).is_dir())]
-    if missing:
-        raise RunError(
-            f"{flag}: lacks {', '.join(missing)} (each of {', '.join(wanted)} needs a model_index.json entry "
-            "and a folder)"
-        )
-    # Load only the encoders: every other component the directory lists is passed as None.
-    others = [n for n in index if not n.startswith("_") and n not in wanted]
-    try:
-        source = family_cls.load_pipeline(root, dtype=dtype, **{n: None for n in others})
-    except (OSError, ValueError, TypeError) as exc:
-        raise RunError(f"{flag}: cannot load its encoders ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
-    encoders = {n: getattr(source, n) for n in wanted}
-    pipeline = family_cls.load_pipeline(config.hf_checkpoint, dtype=dtype, **encoders)
-    return family_cls(pipeline, device=device, dtype=dtype)
+    config, trainer = run.config, run.trainer
+    progress = run.progress or Progress(enabled=False)
+    params = sft_params(trainer.family, config)
+    source = PromptSource(run.rows, batch_size=config.rollout_batch_size * config.n_samples_per_prompt, seed=config.rollout_seed)
+    for rollout_id in range(run.start, run.total):
+        began = time.perf_counter()
+        metrics: dict[str, Any] = {"rollout_id": rollout_id}
+        with progress.training(trainer, f"train {rollout_id + 1}/{run.total}", "step"):
+            metrics.update(trainer.train_sft(source.batch(rollout_id), params, run.schedule.lr_at))
+        metrics["perf/train_time"] = metrics["perf/step_time"] = time.perf_counter() - began
+        yield metrics, ()

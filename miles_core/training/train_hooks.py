@@ -25,11 +25,13 @@ What a hook returns is checked here; every error is one line naming the flag.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from miles_core.family import Conditioning, GenerationParams, ModelFamily
+from miles_core.plugin_manager import loss_spec
 from miles_core.refs import resolve_path_flag
 from miles_core.training.pairs import TrainPair, build_pairs, collate
 
@@ -54,7 +56,7 @@ def pair_source(config: Any, family: ModelFamily) -> PairSource:
     convert_path = getattr(config, "custom_convert_samples_to_train_data_path", None)
     expand_path = getattr(config, "custom_expand_samples_to_train_pairs_path", None)
     for flag, path in ((CONVERT_FLAG, convert_path), (EXPAND_FLAG, expand_path)):
-        if path and config.loss_type in ("nft", "sft_loss"):
+        if path and loss_spec(config).trains_on != "sde_transitions":
             raise ValueError(
                 f"{flag} {path}: --loss-type {config.loss_type} does not train on (sample, SDE step) pairs; "
                 "the hook applies to pair losses (policy_loss, custom_loss)"
@@ -166,6 +168,12 @@ def check_prepared(data: Any, rows: int, where: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "BATCH_KEYS", "CONVERT_FLAG", "EXPAND_FLAG", "PREPARE_FLAG", "batch_preparer", "check_pairs", "check_prepared",
+    "BATCH_KEYS",
+    "CONVERT_FLAG",
+    "EXPAND_FLAG",
+    "PREPARE_FLAG",
+    "batch_preparer",
+    "check_pairs",
+    "check_prepared",
     "pair_source",
 ]

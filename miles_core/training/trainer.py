@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from miles_core.engine.sampler import ConditioningCache
 from miles_core.family import Conditioning, ModelFamily
+from miles_core.plugin_manager import loss_spec
 from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
 from miles_core.training.backend_options import enable_gradient_checkpointing, set_attention_backend
@@ -62,7 +64,13 @@ def _lora_init(value: str) -> Any:
 
 class Trainer:
     def __init__(
-        self, family: ModelFamily, config: Any, backend_cls: type[SdeBackend], loss_fn: Any, *, dp_rank: int = 0,
+        self,
+        family: ModelFamily,
+        config: Any,
+        backend_cls: type[SdeBackend],
+        loss_fn: Any,
+        *,
+        dp_rank: int = 0,
     ) -> None:
         self.family = family
         self.config = config
@@ -80,10 +88,14 @@ class Trainer:
             from peft import LoraConfig
 
             for module in self.modules.values():
-                module.add_adapter(LoraConfig(
-                    r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules),
-                    init_lora_weights=_lora_init(config.lora_init_weights),
-                ))
+                module.add_adapter(
+                    LoraConfig(
+                        r=config.lora_rank,
+                        lora_alpha=config.lora_alpha,
+                        target_modules=list(config.lora_target_modules),
+                        init_lora_weights=_lora_init(config.lora_init_weights),
+                    )
+                )
                 for name, parameter in module.named_parameters():
                     parameter.requires_grad_("lora_" in name)
         else:
@@ -109,8 +121,11 @@ class Trainer:
         if not self.parameters:
             raise ValueError("nothing to train: no parameter of the target modules requires a gradient")
         self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps, weight_decay=config.weight_decay,
+            self.parameters,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
         )
         self.optimizer_steps = 0
         self.prompt_cache = ConditioningCache(max_entries=4096)
@@ -122,7 +137,8 @@ class Trainer:
         self.last_pairs: list[TrainPair] = []
         """This rank's train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
         self.ema = None
-        if config.use_ema or config.loss_type == "nft":
+        self.loss_spec = loss_spec(config)
+        if config.use_ema or self.loss_spec.keeps_ema:
             # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
             # reference's automatic choice under nft).
             from miles_core.training.ema import EMA
@@ -157,12 +173,12 @@ class Trainer:
     def _end_step(self, sums: dict[str, float], per_step: dict[str, list[float]]) -> None:
         """Finish an optimizer step and record its metrics."""
         sums = self._global_sums(sums)
-        self._finish_step(sums, skip=self.config.debug_skip_optimizer_step)
+        self.finish_step(sums, skip=self.config.debug_skip_optimizer_step)
         for key, value in sums.items():
             per_step[key].append(value)
         self._progress_tick()
 
-    def _finish_step(self, sums: dict[str, float], *, skip: bool) -> None:
+    def finish_step(self, sums: dict[str, float], *, skip: bool) -> None:
         """Clip, step, update the EMA (unless ``skip``: the alignment probe), record lr."""
         if not skip:
             sums["grad_norm"] = float(self._clip_gradients())
@@ -240,8 +256,7 @@ class Trainer:
             from miles_core.training.fsdp import full_tensor
 
             return {
-                name: {k: full_tensor(p) for k, p in module.named_parameters() if p.requires_grad}
-                for name, module in self.modules.items()
+                name: {k: full_tensor(p) for k, p in module.named_parameters() if p.requires_grad} for name, module in self.modules.items()
             }
         return {
             name: {k: p.detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
@@ -317,9 +332,7 @@ class Trainer:
                 chunk = window[start : start + size]
                 data = sft_batch(self.family, chunk, params, generator, self.prompt_cache)
                 velocity = self.family.predict(data["x_t"], data["timestep"], data["cond"], params)
-                loss, metrics = self.loss_fn(
-                    {"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config
-                )
+                loss, metrics = self.loss_fn({"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config)
                 # A share of the whole step's rows (of this rank's when nothing is sharded).
                 weight = len(chunk) / (len(step_rows) if self.mesh is not None else len(window))
                 self._add_micro_batch(sums, loss, metrics, weight)
@@ -357,8 +370,9 @@ class Trainer:
                 trajectory = output.dit_trajectory
                 steps = int(trajectory["timesteps"].shape[0])
                 count = max(1, int(steps * config.diffusion_nft_timestep_fraction))
-                order = (torch.arange(steps) if config.no_diffusion_nft_shuffle_timesteps
-                         else torch.randperm(steps, generator=generator))[:count]
+                order = (torch.arange(steps) if config.no_diffusion_nft_shuffle_timesteps else torch.randperm(steps, generator=generator))[
+                    :count
+                ]
                 final = {name: trajectory[name][-1] for name in self.family.latent_streams}
                 for k in order.tolist():
                     items.append((index, k, final, trajectory, output.denoising_env))
@@ -382,8 +396,14 @@ class Trainer:
                 v_new = self.family.predict(device_x_t, timestep, cond, params)[primary]
                 adv = torch.tensor([float(advantages[i]) for i, *_ in chunk])
                 loss, metrics = self.loss_fn(
-                    {"v_new": v_new, "v_old": v_old, "x_t": x_t[primary].to(v_new.device), "x0": x0[primary].to(v_new.device),
-                     "sigma": sigma.to(v_new.device), "advantages": adv.to(v_new.device)},
+                    {
+                        "v_new": v_new,
+                        "v_old": v_old,
+                        "x_t": x_t[primary].to(v_new.device),
+                        "x0": x0[primary].to(v_new.device),
+                        "sigma": sigma.to(v_new.device),
+                        "advantages": adv.to(v_new.device),
+                    },
                     config,
                 )
                 # A share of the whole step's items (of this rank's when nothing is sharded).
@@ -400,7 +420,7 @@ class Trainer:
         spread over the same steps, see :meth:`_step_windows`); return the rollout's
         training metrics, per-step values as lists (``train/clipfrac_per_step``)."""
         config = self.config
-        if config.loss_type == "nft":
+        if self.loss_spec.trains_on == "nft_pairs":
             return self.train_nft(samples, advantages, lr_at)
         pairs = self.pairs_from(config, samples, advantages)
         per_step: dict[str, list[float]] = defaultdict(list)
@@ -471,7 +491,10 @@ class Trainer:
                 pair.old_log_prob = value
 
     def _optimizer_step(
-        self, pairs: list[TrainPair], drift_by_step: dict[int, list[float]], lr_at: Any,
+        self,
+        pairs: list[TrainPair],
+        drift_by_step: dict[int, list[float]],
+        lr_at: Any,
         totals: tuple[int, int] | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's ``pairs``; ``totals`` is the step's ``(pairs,
@@ -522,14 +545,19 @@ class Trainer:
                 sums["model_output_max_abs_diff"] = max(sums["model_output_max_abs_diff"], float(out.max()))
             self._progress_tick()
         sums = self._global_sums(sums)
-        self._finish_step(sums, skip=skip)
+        self.finish_step(sums, skip=skip)
         return dict(sums)
 
     def _log_prob(self, data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         family = self.family
         velocity = family.predict(data["x"], data["timestep"], data["cond"], data["params"])
         result = score_streams(
-            self.backend, data["x_next"], data["x"], velocity, data["sigma"], data["sigma_next"],
+            self.backend,
+            data["x_next"],
+            data["x"],
+            velocity,
+            data["sigma"],
+            data["sigma_next"],
             sigma_max=data["sigma_max"],
         )
         primary = family.latent_streams[0]
@@ -540,7 +568,7 @@ class Trainer:
         ``lora_base`` when the KL term is on."""
         mode = self.config.ref_mode
         if mode is None:
-            mode = "ema" if self.config.loss_type == "nft" else ("lora_base" if self.config.use_lora else "none")
+            mode = "ema" if self.loss_spec.keeps_ema else ("lora_base" if self.config.use_lora else "none")
         return mode
 
     @torch.no_grad()
@@ -569,14 +597,23 @@ class Trainer:
         """The reference policy's step mean, for the KL term."""
         velocity = self._reference_velocity(data["x"], data["timestep"], data["cond"], data["params"])
         result = score_streams(
-            self.backend, data["x_next"], data["x"], velocity, data["sigma"], data["sigma_next"],
+            self.backend,
+            data["x_next"],
+            data["x"],
+            velocity,
+            data["sigma"],
+            data["sigma_next"],
             sigma_max=data["sigma_max"],
         )
         return result.mean[self.family.latent_streams[0]]
 
 
 def _nft_micro_batches(
-    items: list[Any], mine: set[int], size: int, generator: torch.Generator, streams: Sequence[str],
+    items: list[Any],
+    mine: set[int],
+    size: int,
+    generator: torch.Generator,
+    streams: Sequence[str],
 ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
     """This rank's nft micro-batches of ``size`` items and their noise. The noise is drawn
     as world size 1 draws it (one ``randn`` per stream for each ``size`` items of the

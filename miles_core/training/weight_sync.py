@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from miles_core.errors import WeightSyncError
 from miles_core.weights import named_tensors_checksum
-
-
-class WeightSyncError(RuntimeError):
-    """An engine that does not hold the weights the trainer sent it."""
 
 
 def _lora_layers(module: torch.nn.Module) -> dict[str, Any]:
@@ -94,10 +92,10 @@ def engine_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
         if prefix is None:
             entries.append((name, parameter, None))
             continue
-        rest = name[len(prefix) + 1:]
+        rest = name[len(prefix) + 1 :]
         if not rest.startswith("base_layer."):
             continue  # lora_A / lora_B / ... of the adapter
-        rest = rest[len("base_layer."):]
+        rest = rest[len("base_layer.") :]
         entries.append((f"{prefix}.{rest}", parameter, prefix if rest == "weight" else None))
     names = [n for n, _, _ in entries]
     if len(set(names)) != len(names):
@@ -188,8 +186,9 @@ class ModuleWeights:
 
 def _module_weights(name: str, module: torch.nn.Module, lora_only: bool) -> ModuleWeights:
     if lora_only:
-        return ModuleWeights(name, sorted(lora_tensors(module), key=lambda item: item[0]), lora_config(module),
-                             expected_checksum(module, lora_only=True))
+        return ModuleWeights(
+            name, sorted(lora_tensors(module), key=lambda item: item[0]), lora_config(module), expected_checksum(module, lora_only=True)
+        )
     return ModuleWeights(name, engine_weights(module))
 
 
@@ -206,15 +205,15 @@ def snapshot_weights(modules: Mapping[str, torch.nn.Module], config: Any) -> lis
     return weights
 
 
-async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | Sequence[ModuleWeights],
-                         config: Any) -> SyncResult:
+async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | Sequence[ModuleWeights], config: Any) -> SyncResult:
     """Send the trained modules' weights (or a :func:`snapshot_weights` of them) to every
     server of ``engine`` (an :class:`~miles_core.engine.http.HttpEngine`), then check every
     server's checksums."""
     began = time.perf_counter()
     lora_only = bool(config.lora_ipc_weight_sync)
-    weights = ([_module_weights(name, module, lora_only) for name, module in modules.items()]
-               if isinstance(modules, Mapping) else list(modules))
+    weights = (
+        [_module_weights(name, module, lora_only) for name, module in modules.items()] if isinstance(modules, Mapping) else list(modules)
+    )
     result = SyncResult()
     for module_weights in weights:
         name = module_weights.name
@@ -223,7 +222,10 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | S
             if module_weights.lora_config is None or module_weights.checksum is None:
                 raise ValueError(f"{name}: a LoRA-only sync needs the weights of a LoRA-only snapshot")
             await engine.update_weights_from_tensors(
-                name, sent, buffer_size=config.update_weight_buffer_size, lora_only=True,
+                name,
+                sent,
+                buffer_size=config.update_weight_buffer_size,
+                lora_only=True,
                 lora_config=module_weights.lora_config,
             )
             result.checksums[name] = module_weights.checksum
@@ -245,5 +247,14 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | S
     return result
 
 
-__all__ = ["ModuleWeights", "SyncResult", "WeightSyncError", "engine_weights", "expected_checksum", "lora_config",
-           "lora_tensors", "snapshot_weights", "sync_to_engine"]
+__all__ = [
+    "ModuleWeights",
+    "SyncResult",
+    "WeightSyncError",
+    "engine_weights",
+    "expected_checksum",
+    "lora_config",
+    "lora_tensors",
+    "snapshot_weights",
+    "sync_to_engine",
+]

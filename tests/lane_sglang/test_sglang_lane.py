@@ -19,18 +19,36 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.factory import create_engine
-from miles_core.engine.request import RolloutRequest
 from miles_core.engine.sglang import SglangEngine
 from miles_core.engine.wire import unpack_outputs
+from miles_core.request import RolloutRequest
 
 PYTHON = os.environ.get("MILES_SGLANG_PYTHON")
 pytestmark = pytest.mark.skipif(not PYTHON, reason="MILES_SGLANG_PYTHON is not set (run scripts/sglang_lane.sh)")
 
-# The server arguments sglang-cpu.md measured on this machine, as --sglang-* pass-through flags.
-CPU_ARGS = ["--sglang-model-id", "stable-diffusion-3-medium", "--sglang-backend", "sglang", "--sglang-num-gpus", "1",
-            "--sglang-dit-cpu-offload", "false", "--sglang-text-encoder-cpu-offload", "false",
-            "--sglang-vae-cpu-offload", "false", "--sglang-pin-cpu-memory", "false", "--sglang-dit-precision", "fp32",
-            "--sglang-text-encoder-precisions", "fp32", "fp32", "fp32"]
+# The server arguments a CPU needs (docs/engine.md, "Setting up the sglang environment"), as --sglang-* pass-through flags.
+CPU_ARGS = [
+    "--sglang-model-id",
+    "stable-diffusion-3-medium",
+    "--sglang-backend",
+    "sglang",
+    "--sglang-num-gpus",
+    "1",
+    "--sglang-dit-cpu-offload",
+    "false",
+    "--sglang-text-encoder-cpu-offload",
+    "false",
+    "--sglang-vae-cpu-offload",
+    "false",
+    "--sglang-pin-cpu-memory",
+    "false",
+    "--sglang-dit-precision",
+    "fp32",
+    "--sglang-text-encoder-precisions",
+    "fp32",
+    "fp32",
+    "fp32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +57,7 @@ def tiny(tmp_path_factory) -> Path:
     if given:
         return Path(given)
     path = tmp_path_factory.mktemp("lane") / "tiny-sd3"
-    subprocess.run([sys.executable, "-m", "miles_core.cli.main", "make-tiny", "sd3", str(path)], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "miles_core.cli.main", "make-tiny", "sd3", str(path)], check=True, capture_output=True)
     return path
 
 
@@ -51,8 +68,9 @@ def server(tiny, tmp_path_factory):
     engine.stop_servers()
 
 
-REQUEST = dict(prompt="a red cube", seed=11, width=32, height=32, num_inference_steps=4, num_outputs_per_prompt=2,
-               rollout_return_dit_trajectory=True)
+REQUEST = dict(
+    prompt="a red cube", seed=11, width=32, height=32, num_inference_steps=4, num_outputs_per_prompt=2, rollout_return_dit_trajectory=True
+)
 
 
 async def _post_raw(url: str, body: dict) -> list:
@@ -98,21 +116,56 @@ def test_short_training_against_the_real_server(tiny, tmp_path):
     prompts.write_text("".join(json.dumps({"input": p}) + "\n" for p in ["a red cube", "a blue ball"]))
     out = tmp_path / "run"
     args = [
-        "--hf-checkpoint", str(tiny), "--diffusion-model-family", "sd3", "--prompt-data", str(prompts),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
-        "--diffusion-num-steps", "4", "--diffusion-num-sde-steps", "2", "--diffusion-height", "32",
-        "--diffusion-width", "32", "--rm-type", "jpeg_incompressibility", "--output-dir", str(out),
-        "--num-rollout", "2", "--rollout-engine", "sglang", "--sglang-python", PYTHON, "--rollout-num-engines", "1",
-        "--debug-skip-optimizer-step", "--diffusion-debug-mode", *CPU_ARGS,
+        "--hf-checkpoint",
+        str(tiny),
+        "--diffusion-model-family",
+        "sd3",
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-microgroup-size",
+        "2",
+        "--diffusion-num-steps",
+        "4",
+        "--diffusion-num-sde-steps",
+        "2",
+        "--diffusion-height",
+        "32",
+        "--diffusion-width",
+        "32",
+        "--rm-type",
+        "jpeg_incompressibility",
+        "--output-dir",
+        str(out),
+        "--num-rollout",
+        "2",
+        "--rollout-engine",
+        "sglang",
+        "--sglang-python",
+        PYTHON,
+        "--rollout-num-engines",
+        "1",
+        "--debug-skip-optimizer-step",
+        "--diffusion-debug-mode",
+        *CPU_ARGS,
     ]
     from miles_core.training.run import train
 
     path = asyncio.run(train(resolve_config(args), log=lambda line: None))
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-    drift = [(r.get("train/log_prob_mean_abs_diff"), r.get("train/log_prob_max_abs_diff")) for r in records
-             if "train/log_prob_mean_abs_diff" in r]
-    velocity = [(r.get("train/model_output_mean_abs_diff"), r.get("train/model_output_max_abs_diff")) for r in records
-                if "train/log_prob_mean_abs_diff" in r]
+    drift = [
+        (r.get("train/log_prob_mean_abs_diff"), r.get("train/log_prob_max_abs_diff"))
+        for r in records
+        if "train/log_prob_mean_abs_diff" in r
+    ]
+    velocity = [
+        (r.get("train/model_output_mean_abs_diff"), r.get("train/model_output_max_abs_diff"))
+        for r in records
+        if "train/log_prob_mean_abs_diff" in r
+    ]
     print("log-prob drift (mean, max) per rollout:", drift)
     print("velocity drift (mean, max) per rollout:", velocity)
     assert len(drift) == 2

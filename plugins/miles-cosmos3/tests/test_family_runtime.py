@@ -20,15 +20,16 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     UniPCMultistepScheduler,
 )
+
+from miles_core import family_checks, testing
+from miles_core.errors import RequestError
+from miles_core.family import GenerationParams
+from miles_core.request import RolloutRequest
 from miles_cosmos3.family import (
     LORA_WEIGHT_NAME,
     Cosmos3Family,
     is_generation_parameter,
 )
-
-from miles_core import family_checks, testing
-from miles_core.engine.request import RequestError, RolloutRequest
-from miles_core.family import GenerationParams
 
 PROMPT = "a red apple on a wooden table"
 NEGATIVE = "blurry, low quality"
@@ -79,17 +80,22 @@ def _pipeline_sample(pipe: Cosmos3OmniPipeline, x: torch.Tensor, guidance: float
     """The pipeline's own output for each row of ``x`` (one sample per call), in the
     family's layout: ``[B, C, H, W]`` for an image, ``[B, C, F, H, W]`` for a video."""
     videos = [
-        pipe(PROMPT, negative_prompt=NEGATIVE, latents=x[i : i + 1], num_inference_steps=STEPS,
-             guidance_scale=guidance, output_type="pt", **size).video  # [F, C, H, W]
+        pipe(
+            PROMPT,
+            negative_prompt=NEGATIVE,
+            latents=x[i : i + 1],
+            num_inference_steps=STEPS,
+            guidance_scale=guidance,
+            output_type="pt",
+            **size,
+        ).video  # [F, C, H, W]
         for i in range(x.shape[0])
     ]
     video = torch.stack(videos).permute(0, 2, 1, 3, 4)
     return video[:, :, 0] if size["num_frames"] == 1 else video
 
 
-@pytest.mark.parametrize(
-    ("guidance", "size"), [(4.5, IMAGE), (1.0, IMAGE), (4.5, VIDEO)], ids=["image-cfg", "image-no-cfg", "video-cfg"]
-)
+@pytest.mark.parametrize(("guidance", "size"), [(4.5, IMAGE), (1.0, IMAGE), (4.5, VIDEO)], ids=["image-cfg", "image-no-cfg", "video-cfg"])
 def test_euler_loop_over_the_family_equals_the_pipeline(euler_family, euler_pipe, guidance: float, size: dict) -> None:
     params = _params(euler_family, guidance, size)
     x = euler_family.initial_latents(params, _generators(7, 2))["latents"]
@@ -127,8 +133,7 @@ def test_predict_is_the_pipelines_velocity_at_every_unipc_step(family, pipe, gui
         return out
 
     with mock.patch.object(transformer, "forward", side_effect=recording):
-        pipe(PROMPT, negative_prompt=NEGATIVE, latents=x, num_inference_steps=STEPS, guidance_scale=guidance,
-             output_type="latent", **VIDEO)
+        pipe(PROMPT, negative_prompt=NEGATIVE, latents=x, num_inference_steps=STEPS, guidance_scale=guidance, output_type="latent", **VIDEO)
     per_step = 2 if guidance != 1 else 1
     assert len(calls) == STEPS * per_step
     schedule = family.schedule(params)
@@ -188,7 +193,9 @@ def test_flow_shift_rebuilds_the_scheduler_or_is_refused(family: Cosmos3Family, 
     # A scheduler that is not flow matching has no shift to set.
     plain = UniPCMultistepScheduler()  # sigmas from betas
     no_shift = Cosmos3Family(Cosmos3OmniPipeline(**{**pipe.components, "scheduler": plain}, enable_safety_checker=False))
-    with pytest.raises(RequestError, match=r"^extra_sampling_params: flow_shift: the pipeline's UniPCMultistepScheduler has no flow shift$"):
+    with pytest.raises(
+        RequestError, match=r"^extra_sampling_params: flow_shift: the pipeline's UniPCMultistepScheduler has no flow shift$"
+    ):
         _params(no_shift, 4.5, extra_sampling_params={"flow_shift": 5.0})
 
 
@@ -235,8 +242,9 @@ def test_initial_noise_is_per_output_and_the_pipelines(family: Cosmos3Family, pi
     assert torch.equal(pair, torch.cat([first, second]))
     assert not torch.equal(pair[0], pair[1])
     # The pipeline draws the same noise from the same generator.
-    drawn = pipe.prepare_latents(num_frames=5, height=16, width=24, generator=torch.Generator().manual_seed(11),
-                                 device="cpu", dtype=torch.float32)[0]
+    drawn = pipe.prepare_latents(
+        num_frames=5, height=16, width=24, generator=torch.Generator().manual_seed(11), device="cpu", dtype=torch.float32
+    )[0]
     assert torch.equal(drawn, first)
 
 
@@ -252,14 +260,23 @@ def test_resolve_params_defaults_and_errors(family: Cosmos3Family) -> None:
     bad = [
         ("height", replace(base, height=36), "height: 36 must be a multiple of 8 (the VAE's spatial factor)"),
         ("width", replace(base, width=20), "width: 20 must be a multiple of 8 (the VAE's spatial factor)"),
-        ("num_frames", replace(base, num_frames=4),
-         "num_frames: 4: a video has 1 + 4k frames (the VAE compresses time 4x; the pipeline would return 1)"),
+        (
+            "num_frames",
+            replace(base, num_frames=4),
+            "num_frames: 4: a video has 1 + 4k frames (the VAE compresses time 4x; the pipeline would return 1)",
+        ),
         ("fps", replace(base, num_frames=5, fps=0.0), "fps: must be a finite number > 0, got 0.0"),
         ("true_cfg_scale", replace(base, true_cfg_scale=4.0), "true_cfg_scale: Cosmos 3 has no true CFG; use guidance_scale"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"guidance_scale_2": 3.0}),
-         "extra_sampling_params: Cosmos 3 takes only max_sequence_length and flow_shift, got guidance_scale_2"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"max_sequence_length": 0}),
-         "extra_sampling_params: max_sequence_length must be a positive integer, got 0"),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"guidance_scale_2": 3.0}),
+            "extra_sampling_params: Cosmos 3 takes only max_sequence_length and flow_shift, got guidance_scale_2",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"max_sequence_length": 0}),
+            "extra_sampling_params: max_sequence_length must be a positive integer, got 0",
+        ),
     ]
     for field, request, message in bad:
         with pytest.raises(RequestError) as excinfo:
@@ -279,7 +296,7 @@ def test_conditioning_is_the_pipelines_token_ids_encoded_once(family: Cosmos3Fam
     cond_ids, uncond_ids = pipe.tokenize_prompt(PROMPT, NEGATIVE, num_frames=5, height=16, width=24, fps=24.0)
     assert ids[0, : len(cond_ids)].tolist() == cond_ids and int(mask.sum()) == len(cond_ids)
     assert once.negative["input_ids"][0, : len(uncond_ids)].tolist() == uncond_ids
-    assert not mask[0, len(cond_ids):].any()
+    assert not mask[0, len(cond_ids) :].any()
     # fps enters through the duration template.
     faster = family.encode(PROMPT, NEGATIVE, replace(params, fps=16.0))
     assert not torch.equal(faster.positive["input_ids"], ids)
@@ -313,8 +330,15 @@ def test_decode_shapes_and_encode_pixels(family: Cosmos3Family) -> None:
 
 def test_multi_output_invariant(family: Cosmos3Family) -> None:
     """The engine loops over outputs (no batch dimension): output i is the one-output request with seed + i."""
-    request = RolloutRequest(prompt=PROMPT, seed=5, num_outputs_per_prompt=3, num_inference_steps=3,
-                             guidance_scale=4.5, rollout_return_dit_trajectory=True, **VIDEO)
+    request = RolloutRequest(
+        prompt=PROMPT,
+        seed=5,
+        num_outputs_per_prompt=3,
+        num_inference_steps=3,
+        guidance_scale=4.5,
+        rollout_return_dit_trajectory=True,
+        **VIDEO,
+    )
     worst = family_checks.check_multi_output_invariant(family, request, atol=0.0)
     print(f"multi-output invariant: max |diff| = {worst:.3e}")
 

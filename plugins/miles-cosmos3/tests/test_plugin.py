@@ -37,6 +37,8 @@ def test_spec_values(host: PluginHost) -> None:
     assert spec.n_samples_per_prompt == 16
     assert spec.rollout_microgroup_size == 1
     assert spec.max_microgroup_size == 1
+    assert spec.pipeline_classes == ("Cosmos3OmniPipeline",) == (Cosmos3Family.pipeline_class.split(":")[1],)
+    assert spec.checkpoint_check is None
 
 
 def test_family_class() -> None:

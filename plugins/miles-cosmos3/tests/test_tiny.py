@@ -140,3 +140,8 @@ def test_lora_save_load_roundtrip(tiny_dir: Path, pipe: Cosmos3OmniPipeline, tmp
     with_lora = Cosmos3OmniPipeline.from_pretrained(tiny_dir, transformer=fresh)
     with_lora.set_progress_bar_config(disable=True)
     assert not torch.allclose(_sample(with_lora, "a cat"), _sample(pipe, "a cat"))
+
+
+def test_recognised_by_content_under_a_neutral_name(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # "my-finetune" matches no family's name patterns: model_index.json and the configs decide.
+    testing.assert_matched_by_content(tiny_dir, "cosmos3", tmp_path_factory.mktemp("neutral"))

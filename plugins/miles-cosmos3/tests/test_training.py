@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from miles_core import family_checks, testing
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config, training_errors
+from miles_core.errors import ConfigError
 from miles_cosmos3.family import Cosmos3Family, is_generation_parameter
 
 IMAGE = ("--diffusion-height", "32", "--diffusion-width", "32")
@@ -34,9 +34,17 @@ def test_the_parameter_split_covers_the_transformer(pipe) -> None:
     assert {n.split(".")[0] for n in understanding} == {"embed_tokens", "layers", "norm", "lm_head"}
     layer = {n.split(".", 2)[2] for n in understanding if n.startswith("layers.0.")}
     assert layer == {
-        "self_attn.to_q.weight", "self_attn.to_k.weight", "self_attn.to_v.weight", "self_attn.to_out.weight",
-        "self_attn.norm_q.weight", "self_attn.norm_k.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.to_q.weight",
+        "self_attn.to_k.weight",
+        "self_attn.to_v.weight",
+        "self_attn.to_out.weight",
+        "self_attn.norm_q.weight",
+        "self_attn.norm_k.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
     }
     assert {n.split(".")[0] for n in generation} == {"layers", "norm_moe_gen", "proj_in", "proj_out", "time_embedder"}
 
@@ -57,8 +65,10 @@ def test_flow_grpo_lora_run_completes_and_its_lora_loads(tiny_dir: Path, tmp_pat
 @pytest.mark.parametrize("size", [IMAGE, VIDEO], ids=["image", "video"])
 def test_alignment_probe_is_exactly_zero(tiny_dir: Path, tmp_path: Path, size) -> None:
     first = family_checks.check_alignment_probe(family_checks.tiny_train_args(tiny_dir, tmp_path / "probe", *size))
-    print(f"alignment probe {size}: log-prob drift {first['train/log_prob_max_abs_diff']}, "
-          f"model-output drift {first['train/model_output_max_abs_diff']}, ratio {first['train/ratio_mean']}")
+    print(
+        f"alignment probe {size}: log-prob drift {first['train/log_prob_max_abs_diff']}, "
+        f"model-output drift {first['train/model_output_max_abs_diff']}, ratio {first['train/ratio_mean']}"
+    )
 
 
 def test_lora_training_reaches_the_generation_path_only(tiny_dir: Path, pipe) -> None:
@@ -76,24 +86,49 @@ def test_full_fine_tuning_trains_the_generation_path_and_freezes_the_understandi
     from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
     from miles_core.training.trainer import Trainer
 
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_dir), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", "--lr", "1e-2", "--num-steps-per-rollout", "1",
-        "--diffusion-forward-dtype", "fp32", "--update-weight-target-module", "transformer", *IMAGE,
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            "--lr",
+            "1e-2",
+            "--num-steps-per-rollout",
+            "1",
+            "--diffusion-forward-dtype",
+            "fp32",
+            "--update-weight-target-module",
+            "transformer",
+            *IMAGE,
+        ]
+    )
     assert not training_errors(config) and not config.use_lora
     engine = create_engine(config)
     host = get_host()
-    trainer = Trainer(engine.family, config, host.registries.sde_backend.get(config.diffusion_sde_type).load(),
-                      host.registries.loss.get(config.loss_type).load())
+    trainer = Trainer(
+        engine.family,
+        config,
+        host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+        host.registries.loss.get(config.loss_type).load(),
+    )
     transformer = engine.family.components()["transformer"]
     params = dict(transformer.named_parameters())
     generation = {n for n in params if is_generation_parameter(n)}
     assert set(trainer.named_trainable()) == {f"transformer.{n}" for n in generation}
     before = {n: p.detach().clone() for n, p in params.items()}
 
-    groups = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0,
-                                          [PromptRecord(family_checks.PROMPTS[0])], strategy_from_config(config)))
+    groups = asyncio.run(
+        generate_rollout(
+            engine, RolloutSettings.from_config(config), 0, [PromptRecord(family_checks.PROMPTS[0])], strategy_from_config(config)
+        )
+    )
     samples = [s for group in groups for s in group]
     trainer.train_rollout(samples, torch.tensor([1.0, -1.0]))
     assert trainer.optimizer_steps == 1
@@ -111,11 +146,11 @@ def test_full_fine_tuning_trains_the_generation_path_and_freezes_the_understandi
 @pytest.mark.exercises("--rollout-microgroup-size")
 def test_a_microgroup_larger_than_one_is_a_one_line_error(tiny_dir: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
-        resolve_config(["--hf-checkpoint", str(tiny_dir), "--rollout-batch-size", "1", "--n-samples-per-prompt", "4",
-                        "--rollout-microgroup-size", "2"])
+        resolve_config(
+            ["--hf-checkpoint", str(tiny_dir), "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "2"]
+        )
     assert excinfo.value.messages == [
-        "--rollout-microgroup-size 2: the cosmos3 family supports at most 1 output(s) per request "
-        "(its forward packs one sample)"
+        "--rollout-microgroup-size 2: the cosmos3 family supports at most 1 output(s) per request (its forward packs one sample)"
     ]
     # Unset, it is the recipe's 1.
     config = resolve_config(["--hf-checkpoint", str(tiny_dir), "--rollout-batch-size", "1", "--n-samples-per-prompt", "4"])
@@ -129,7 +164,7 @@ def test_generate_writes_images_and_videos(tiny_dir: Path, tmp_path: Path) -> No
         tiny_dir, tmp_path / "videos", "--height", "16", "--width", "16", "--num-frames", "5", "--fps", "8"
     )
     assert len(videos) == 2 and all(p.suffix in (".mp4", ".gif") for p in videos)
-    assert all(family_checks._read_frames(p) == 5 for p in videos)
+    assert all(family_checks.read_frames(p) == 5 for p in videos)
 
 
 def test_generate_loads_a_saved_lora_through_the_transformer(tiny_dir: Path, tmp_path: Path) -> None:
@@ -139,15 +174,28 @@ def test_generate_loads_a_saved_lora_through_the_transformer(tiny_dir: Path, tmp
 
     family = Cosmos3Family.from_pretrained(tiny_dir)
     transformer = family.components()["transformer"]
-    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights=False,
-                                       target_modules=["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]))
+    transformer.add_adapter(
+        LoraConfig(r=2, lora_alpha=2, init_lora_weights=False, target_modules=["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"])
+    )
     lora = family.save_lora(tmp_path / "lora", {"transformer": transformer})
-    common = ["--hf-checkpoint", str(tiny_dir), "--prompt", "a cat", "--num-inference-steps", "2", "--height", "32",
-              "--width", "32", "--seed", "3"]
+    common = [
+        "--hf-checkpoint",
+        str(tiny_dir),
+        "--prompt",
+        "a cat",
+        "--num-inference-steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--seed",
+        "3",
+    ]
     assert generate.run([*common, "--out", str(tmp_path / "base")]) == 0
     assert generate.run([*common, "--lora", str(lora), "--out", str(tmp_path / "with")]) == 0
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     base = np.asarray(Image.open(tmp_path / "base" / "p000_s3.png"))
     with_lora = np.asarray(Image.open(tmp_path / "with" / "p000_s3.png"))
@@ -166,19 +214,43 @@ def test_the_recipe_validates_and_its_settings_run_on_the_tiny_pipeline(tiny_dir
 
     recipe = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
     assert (recipe["n_samples_per_prompt"], recipe["rollout_microgroup_size"]) == (16, 1)
-    config = resolve_config(["--hf-checkpoint", str(tiny_dir), "--prompt-data", str(tmp_path / "p.jsonl"),
-                             "--rollout-batch-size", "2", "--rm-type", "brightness", "--custom-config-path", str(RECIPE)])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            "--prompt-data",
+            str(tmp_path / "p.jsonl"),
+            "--rollout-batch-size",
+            "2",
+            "--rm-type",
+            "brightness",
+            "--custom-config-path",
+            str(RECIPE),
+        ]
+    )
     assert not training_errors(config)
     assert (config.diffusion_height, config.diffusion_width, config.diffusion_output_num_frames) == (720, 1280, 189)
     # 4 SDE steps instead of 9: family_checks reads the ratio as a float sum of per-pair
     # weights, and nine weights of 1/9 sum to 1.0000000000000002 (no drift, just rounding).
-    cpu_sized = {k: v for k, v in recipe.items()
-                 if k not in ("n_samples_per_prompt", "diffusion_output_num_frames", "diffusion_num_sde_steps")}
+    cpu_sized = {
+        k: v for k, v in recipe.items() if k not in ("n_samples_per_prompt", "diffusion_output_num_frames", "diffusion_num_sde_steps")
+    }
     trimmed = tmp_path / "recipe.yaml"
     trimmed.write_text(yaml.safe_dump(cpu_sized), encoding="utf-8")
-    args = family_checks.tiny_train_args(tiny_dir, tmp_path / "run", "--custom-config-path", str(trimmed),
-                                         "--diffusion-height", "16", "--diffusion-width", "16",
-                                         "--diffusion-output-num-frames", "5", "--diffusion-num-sde-steps", "4")
+    args = family_checks.tiny_train_args(
+        tiny_dir,
+        tmp_path / "run",
+        "--custom-config-path",
+        str(trimmed),
+        "--diffusion-height",
+        "16",
+        "--diffusion-width",
+        "16",
+        "--diffusion-output-num-frames",
+        "5",
+        "--diffusion-num-sde-steps",
+        "4",
+    )
     first = family_checks.check_alignment_probe(args)
     assert first["train/num_pairs"] == 2 * 4  # 2 samples x 4 SDE steps (over the recipe's 2 optimizer steps)
 
@@ -199,11 +271,31 @@ def test_sft_encodes_images_and_trains_the_generation_path_only(tiny_dir: Path, 
         Image.new("RGB", (40, 40), colour).save(tmp_path / "images" / f"{i}.png")
         rows.append(json.dumps({"input": name, "image": f"images/{i}.png"}))
     (tmp_path / "sft.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_dir), "--prompt-data", str(tmp_path / "sft.jsonl"), "--loss-type", "sft_loss",
-        "--rollout-batch-size", "2", "--num-steps-per-rollout", "1", "--micro-batch-size", "2", "--diffusion-num-steps", "4",
-        *IMAGE, "--lr", "3e-3", "--num-rollout", "2", "--output-dir", str(tmp_path / "sft"),
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            "--prompt-data",
+            str(tmp_path / "sft.jsonl"),
+            "--loss-type",
+            "sft_loss",
+            "--rollout-batch-size",
+            "2",
+            "--num-steps-per-rollout",
+            "1",
+            "--micro-batch-size",
+            "2",
+            "--diffusion-num-steps",
+            "4",
+            *IMAGE,
+            "--lr",
+            "3e-3",
+            "--num-rollout",
+            "2",
+            "--output-dir",
+            str(tmp_path / "sft"),
+        ]
+    )
     path = asyncio.run(train(config, log=lambda line: None))
     losses = [json.loads(line)["train/loss"] for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(map(math.isfinite, losses))

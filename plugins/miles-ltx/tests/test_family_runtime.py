@@ -14,12 +14,13 @@ from dataclasses import replace
 import pytest
 import torch
 from diffusers import LTX2Pipeline
-from miles_ltx.family import LtxFamily
 
 from miles_core import family_checks, testing
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.errors import RequestError
 from miles_core.family import GenerationParams
+from miles_core.request import RolloutRequest
+from miles_ltx.family import LtxFamily
 
 PROMPT = "a red cat dancing"
 HEIGHT, WIDTH = 32, 64  # multiples of 32; latents 4 x 8
@@ -28,8 +29,11 @@ FPS = 24.0
 STEPS = 4
 SEQ = 32  # max_sequence_length: the default 1024 only pads
 ONE_CALL = dict(  # LTX2Pipeline's extra guidance passes off: one transformer call per step
-    stg_scale=0.0, audio_stg_scale=0.0, spatio_temporal_guidance_blocks=None,
-    modality_scale=1.0, audio_modality_scale=1.0,
+    stg_scale=0.0,
+    audio_stg_scale=0.0,
+    spatio_temporal_guidance_blocks=None,
+    modality_scale=1.0,
+    audio_modality_scale=1.0,
 )
 GUIDANCE = {
     "cfg": (3.0, {}),
@@ -55,8 +59,14 @@ def family(pipe: LTX2Pipeline) -> LtxFamily:
 
 def _request(guidance: float = 1.0, extra: dict | None = None, **kwargs) -> RolloutRequest:
     fields = dict(
-        prompt=PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, fps=FPS, num_inference_steps=STEPS,
-        guidance_scale=guidance, extra_sampling_params={"max_sequence_length": SEQ, **(extra or {})},
+        prompt=PROMPT,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=FRAMES,
+        fps=FPS,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        extra_sampling_params={"max_sequence_length": SEQ, **(extra or {})},
     )
     return RolloutRequest(**{**fields, **kwargs})
 
@@ -187,10 +197,22 @@ def test_resolve_params_defaults_and_errors(family: LtxFamily, pipe: LTX2Pipelin
         ("fps", replace(base, fps=float("inf")), "must be a finite number > 0"),
         ("true_cfg_scale", replace(base, true_cfg_scale=4.0), "no true CFG"),
         ("extra_sampling_params", replace(base, extra_sampling_params={"guidance_scale_2": 3.0}), "guidance_scale_2"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"guidance_rescale": 1.5}), r"guidance_rescale must be a number in \[0, 1\]"),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"guidance_rescale": 1.5}),
+            r"guidance_rescale must be a number in \[0, 1\]",
+        ),
         ("extra_sampling_params", replace(base, extra_sampling_params={"audio_guidance_scale": -1}), "audio_guidance_scale must be"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"audio_guidance_scale": float("inf")}), "audio_guidance_scale must be"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"max_sequence_length": 0}), r"max_sequence_length must be an integer in \[1, 2048\]"),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"audio_guidance_scale": float("inf")}),
+            "audio_guidance_scale must be",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"max_sequence_length": 0}),
+            r"max_sequence_length must be an integer in \[1, 2048\]",
+        ),
     ]
     for field, request, message in bad:
         with pytest.raises(RequestError, match=f"^{field}: .*{message}") as excinfo:
@@ -270,8 +292,19 @@ def test_schedule_is_the_pipelines(family: LtxFamily, pipe: LTX2Pipeline) -> Non
     assert pipe.scheduler.num_inference_steps == before
     # ... and the pipeline's own call sets exactly the same schedule (its mu comes from
     # the video sequence length, so a larger video shifts it further).
-    pipe(PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, frame_rate=FPS, num_inference_steps=STEPS,
-         guidance_scale=1.0, audio_guidance_scale=1.0, max_sequence_length=SEQ, output_type="latent", **ONE_CALL)
+    pipe(
+        PROMPT,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=FRAMES,
+        frame_rate=FPS,
+        num_inference_steps=STEPS,
+        guidance_scale=1.0,
+        audio_guidance_scale=1.0,
+        max_sequence_length=SEQ,
+        output_type="latent",
+        **ONE_CALL,
+    )
     assert torch.equal(pipe.scheduler.sigmas, sigmas) and torch.equal(pipe.scheduler.timesteps, timesteps)
     assert not torch.equal(family.schedule(_params(family, height=256, width=256)).sigmas, sigmas)
 
@@ -296,8 +329,14 @@ def test_encode_pixels_says_why_there_is_no_sft(family: LtxFamily) -> None:
 
 def test_multi_output_invariant(family: LtxFamily) -> None:
     request = _request(
-        3.0, num_outputs_per_prompt=3, seed=20, num_inference_steps=3, rollout_sde_type="cps",
-        rollout_noise_level=0.8, rollout_return_dit_trajectory=True, rollout_sde_step_indices=(0, 1),
+        3.0,
+        num_outputs_per_prompt=3,
+        seed=20,
+        num_inference_steps=3,
+        rollout_sde_type="cps",
+        rollout_noise_level=0.8,
+        rollout_return_dit_trajectory=True,
+        rollout_sde_step_indices=(0, 1),
     )
     worst = family_checks.check_multi_output_invariant(family, request)
     print(f"multi-output invariant: max |batched - single| = {worst:.3e}")

@@ -34,6 +34,10 @@ def test_spec_values(host: PluginHost) -> None:
     assert spec.rollout_microgroup_size == 1
     assert spec.default_sde_type == "cps"
     assert spec.supports_cfg_training is False
+    # Without CFG in training, rollouts sample without it unless the flag says otherwise.
+    assert spec.default_guidance_scale == 1.0
+    assert spec.pipeline_classes == ("LTX2Pipeline",) == (LtxFamily.pipeline_class.split(":")[1],)
+    assert spec.checkpoint_check is None
 
 
 def test_family_class() -> None:

@@ -12,6 +12,7 @@ import inspect
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from diffusers import (
     AutoencoderKLLTX2Audio,
@@ -138,3 +139,8 @@ def test_lora_targets_are_linear_layers(pipe: LTX2Pipeline) -> None:
     # per block: 4 projections in each of 6 attentions (video/audio self and text, a2v, v2a)
     # plus 2 in each of the video and audio feed-forwards
     assert len(wrapped) == pipe.transformer.config.num_layers * (6 * 4 + 2 * 2)
+
+
+def test_recognised_by_content_under_a_neutral_name(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # "my-finetune" matches no family's name patterns: model_index.json and the configs decide.
+    testing.assert_matched_by_content(tiny_dir, "ltx", tmp_path_factory.mktemp("neutral"))

@@ -62,9 +62,17 @@ def test_recipe_matches_the_family_spec() -> None:
 
 
 def test_family_defaults_resolve(tiny_dir) -> None:
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_dir), *FAMILY, "--rollout-batch-size", "1", "--n-samples-per-prompt", "8",
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            *FAMILY,
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "8",
+        ]
+    )
     assert config.diffusion_sde_type == "cps"
     assert config.rollout_microgroup_size == 1
     assert (config.diffusion_height, config.diffusion_width) == (512, 768)
@@ -86,13 +94,20 @@ def test_lora_targets_exist_in_the_tiny_transformer(pipe) -> None:
 @pytest.mark.exercises("--diffusion-debug-mode", "--debug-skip-optimizer-step")
 def test_alignment_probe_is_exactly_zero_with_the_recipe_settings(tiny_dir, tmp_path, microgroup: int) -> None:
     args = family_checks.tiny_train_args(
-        tiny_dir, tmp_path / "probe", *SMALL, *recipe_flags(*SAMPLING),
-        "--rollout-microgroup-size", str(microgroup), family="ltx",
+        tiny_dir,
+        tmp_path / "probe",
+        *SMALL,
+        *recipe_flags(*SAMPLING),
+        "--rollout-microgroup-size",
+        str(microgroup),
+        family="ltx",
     )
     record = family_checks.check_alignment_probe(args)
     assert record["train/num_pairs"] == 2 * 2  # 2 samples x 2 SDE steps
-    print(f"microgroup {microgroup}: log-prob drift {record['train/log_prob_max_abs_diff']}, "
-          f"model-output drift {record['train/model_output_max_abs_diff']}")
+    print(
+        f"microgroup {microgroup}: log-prob drift {record['train/log_prob_max_abs_diff']}, "
+        f"model-output drift {record['train/model_output_max_abs_diff']}"
+    )
 
 
 def _engine_and_rollout(tiny_dir, *extra: str):
@@ -100,14 +115,30 @@ def _engine_and_rollout(tiny_dir, *extra: str):
     from miles_core.rollout.data import PromptRecord
     from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
 
-    config = resolve_config([
-        "--hf-checkpoint", str(tiny_dir), *FAMILY, "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-        "--diffusion-num-steps", "3", "--diffusion-num-sde-steps", "2", *SMALL, *recipe_flags(*SAMPLING),
-        "--diffusion-forward-dtype", "fp32", *extra,
-    ])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            *FAMILY,
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "3",
+            "--diffusion-num-sde-steps",
+            "2",
+            *SMALL,
+            *recipe_flags(*SAMPLING),
+            "--diffusion-forward-dtype",
+            "fp32",
+            *extra,
+        ]
+    )
     engine = create_engine(config)
-    (group,) = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0,
-                                            [PromptRecord("a red cube")], strategy_from_config(config)))
+    (group,) = asyncio.run(
+        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")], strategy_from_config(config))
+    )
     return config, engine, group
 
 
@@ -116,8 +147,12 @@ def _trainer(config, engine):
     from miles_core.training.trainer import Trainer
 
     host = get_host()
-    return Trainer(engine.family, config, host.registries.sde_backend.get(config.diffusion_sde_type).load(),
-                   host.registries.loss.get("policy_loss").load())
+    return Trainer(
+        engine.family,
+        config,
+        host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+        host.registries.loss.get("policy_loss").load(),
+    )
 
 
 @pytest.mark.exercises("--diffusion-debug-mode")
@@ -126,8 +161,13 @@ def test_alignment_probe_sees_both_streams(tiny_dir) -> None:
     part of the trained log-prob. A weight that only moves the audio output (the audio
     output projection) leaves the video model output alone and still moves the log-prob."""
     config, engine, group = _engine_and_rollout(
-        tiny_dir, "--debug-skip-optimizer-step", "--diffusion-debug-mode",
-        "--micro-batch-size-sample", "1", "--micro-batch-size-tstep", "1",
+        tiny_dir,
+        "--debug-skip-optimizer-step",
+        "--diffusion-debug-mode",
+        "--micro-batch-size-sample",
+        "1",
+        "--micro-batch-size-tstep",
+        "1",
     )
     trainer = _trainer(config, engine)
     advantages = torch.tensor([1.0, -1.0])
@@ -135,8 +175,7 @@ def test_alignment_probe_sees_both_streams(tiny_dir) -> None:
     assert metrics["train/log_prob_max_abs_diff"] == 0.0 and metrics["train/model_output_max_abs_diff"] == 0.0
     assert {tuple(sorted(p.x)) for p in trainer.last_pairs} == {("audio_latents", "latents")}
     transformer = engine.family.components()["transformer"]
-    for weight, video_moves in ((transformer.audio_proj_out.weight, False),
-                                (transformer.transformer_blocks[0].attn1.to_q.weight, True)):
+    for weight, video_moves in ((transformer.audio_proj_out.weight, False), (transformer.transformer_blocks[0].attn1.to_q.weight, True)):
         saved = weight.detach().clone()
         try:
             with torch.no_grad():
@@ -153,7 +192,14 @@ def test_training_reaches_the_audio_branch(tiny_dir) -> None:
     """The last block's audio feed-forward feeds only the audio output, so a gradient on
     its LoRA comes from the audio stream's share of the log-prob alone."""
     config, engine, group = _engine_and_rollout(
-        tiny_dir, "--use-lora", "--lora-rank", "4", "--lr", "1e-2", "--num-steps-per-rollout", "1",
+        tiny_dir,
+        "--use-lora",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "1e-2",
+        "--num-steps-per-rollout",
+        "1",
     )
     trainer = _trainer(config, engine)
     trainer.train_rollout(group, torch.tensor([1.0, -1.0]))
@@ -172,8 +218,15 @@ def test_training_reaches_every_trainable_component(tiny_dir) -> None:
 
 def test_short_flow_grpo_lora_run_completes(tiny_dir, tmp_path) -> None:
     args = family_checks.tiny_train_args(
-        tiny_dir, tmp_path / "run", *SMALL, *recipe_flags(*SAMPLING, "diffusion_clip_range"),
-        "--rollout-microgroup-size", str(recipe()["rollout_microgroup_size"]), "--lr", "1e-2", family="ltx",
+        tiny_dir,
+        tmp_path / "run",
+        *SMALL,
+        *recipe_flags(*SAMPLING, "diffusion_clip_range"),
+        "--rollout-microgroup-size",
+        str(recipe()["rollout_microgroup_size"]),
+        "--lr",
+        "1e-2",
+        family="ltx",
     )
     records = family_checks.run_training(args)
     assert len(records) == 2
@@ -207,7 +260,15 @@ def test_generate_writes_videos(tiny_dir, tmp_path) -> None:
     from PIL import Image
 
     files = family_checks.check_generate_writes(
-        tiny_dir, tmp_path / "out", "--height", "32", "--width", "32", "--num-frames", "9", family="ltx",
+        tiny_dir,
+        tmp_path / "out",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-frames",
+        "9",
+        family="ltx",
     )
     assert len(files) == 2
     for path in files:

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from miles_qwen_image.family import MAX_SEQUENCE_LENGTH, QwenImageFamily
-from miles_qwen_image.plugin import LORA_TARGET_MODULES
 
 from miles_core import family_checks, testing
-from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.errors import RequestError
 from miles_core.family import Conditioning, GenerationParams
+from miles_core.request import RolloutRequest
+from miles_qwen_image.family import MAX_SEQUENCE_LENGTH, QwenImageFamily
+from miles_qwen_image.plugin import LORA_TARGET_MODULES
 
 PROMPT = "a red cube on a blue table"
 LONG_PROMPT = "a very small green frog sitting on a large wet leaf next to a pond under the rain at night"
@@ -149,18 +150,17 @@ def test_two_prompts_of_different_lengths_batch_like_each_alone(family: QwenImag
     t = family.schedule(params).timesteps[[0, 2]]
     with torch.no_grad():
         batched = family.predict({"latents": x}, t, both, params)["latents"]
-        alone = torch.cat([
-            family.predict({"latents": x[i : i + 1]}, t[i : i + 1], cond, params)["latents"]
-            for i, cond in enumerate((short, long))
-        ])
+        alone = torch.cat(
+            [family.predict({"latents": x[i : i + 1]}, t[i : i + 1], cond, params)["latents"] for i, cond in enumerate((short, long))]
+        )
     diff = (batched - alone).abs().max().item()
     print(f"two prompts: max |batched - each alone| = {diff:.3e}")
     assert diff <= 1e-5
     # The same batch through the pipeline's own padding (a list of two prompts).
     plain = replace(params, true_cfg_scale=None)
-    ours = _family_latents(family, plain, x, Conditioning.cat([
-        family.encode(PROMPT, None, plain), family.encode(LONG_PROMPT, None, plain)
-    ]))
+    ours = _family_latents(
+        family, plain, x, Conditioning.cat([family.encode(PROMPT, None, plain), family.encode(LONG_PROMPT, None, plain)])
+    )
     theirs = _pipeline(pipe, [PROMPT, LONG_PROMPT], x, None, "latent")
     assert (ours - theirs).abs().max().item() <= 1e-5
 
@@ -196,9 +196,7 @@ def test_initial_noise_is_per_output_and_the_pipelines(family: QwenImageFamily, 
 def test_resolve_params_defaults_and_errors(family: QwenImageFamily, tiny_dir) -> None:
     params = family.resolve_params(RolloutRequest(prompt=PROMPT, guidance_scale=3.0, num_inference_steps=5))
     assert (params.height, params.width) == QwenImageFamily.native_size(tiny_dir) == (512, 512)
-    assert (params.num_inference_steps, params.guidance_scale, params.true_cfg_scale, dict(params.extra)) == (
-        5, 3.0, None, {}
-    )
+    assert (params.num_inference_steps, params.guidance_scale, params.true_cfg_scale, dict(params.extra)) == (5, 3.0, None, {})
     assert family.resolve_params(RolloutRequest(prompt=PROMPT, num_frames=1, fps=8.0)).num_frames is None
     assert _params(family, 4.0).true_cfg_scale == 4.0
 
@@ -225,8 +223,9 @@ def test_flow_shift_needs_a_shiftable_scheduler(pipe) -> None:
 
     other = QwenImagePipeline(**{**pipe.components, "scheduler": DDIMScheduler()})
     with pytest.raises(RequestError, match="flow_shift: the pipeline's DDIMScheduler has no shift") as excinfo:
-        QwenImageFamily(other).resolve_params(RolloutRequest(prompt=PROMPT, height=SIZE, width=SIZE,
-                                                             extra_sampling_params={"flow_shift": 3.0}))
+        QwenImageFamily(other).resolve_params(
+            RolloutRequest(prompt=PROMPT, height=SIZE, width=SIZE, extra_sampling_params={"flow_shift": 3.0})
+        )
     assert excinfo.value.field == "extra_sampling_params"
 
 
@@ -261,8 +260,16 @@ def test_conditioning_is_encoded_once_per_request(family: QwenImageFamily, monke
         return original(*args, **kwargs)
 
     monkeypatch.setattr(family.pipeline, "encode_prompt", counting)
-    request = RolloutRequest(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, num_outputs_per_prompt=3,
-                             true_cfg_scale=TRUE_CFG, negative_prompt="blurry", rollout=False)
+    request = RolloutRequest(
+        prompt=PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        num_outputs_per_prompt=3,
+        true_cfg_scale=TRUE_CFG,
+        negative_prompt="blurry",
+        rollout=False,
+    )
     outputs = EmbeddedEngine(family).generate_sync(request)
     assert len(outputs) == 3
     assert calls == [PROMPT, "blurry"]  # one positive and one negative encode for three outputs
@@ -287,8 +294,16 @@ def test_schedule_is_the_pipelines(family: QwenImageFamily, pipe) -> None:
         x = family.initial_latents(params, _generators(0, 1))["latents"]
         seen.clear()
         with torch.no_grad():
-            pipe(PROMPT, latents=x, height=size, width=size, num_inference_steps=STEPS, output_type="latent",
-                 true_cfg_scale=1.0, callback_on_step_end=record)
+            pipe(
+                PROMPT,
+                latents=x,
+                height=size,
+                width=size,
+                num_inference_steps=STEPS,
+                output_type="latent",
+                true_cfg_scale=1.0,
+                callback_on_step_end=record,
+            )
         assert torch.equal(seen["sigmas"], sigmas) and torch.equal(seen["timesteps"], timesteps)
     # mu depends on the image token count (the dynamic shift), ...
     assert not torch.equal(family.schedule(_params(family, None)).sigmas, sigmas)
@@ -305,9 +320,22 @@ def test_flow_shift_replaces_the_dynamic_shift(family: QwenImageFamily, pipe) ->
     from miles_core.rollout.seeds import Microgroup
 
     # The flag reaches the family as extra_sampling_params.flow_shift (sglang-diffusion's name).
-    config = resolve_config(["--hf-checkpoint", "Qwen/Qwen-Image", "--rollout-batch-size", "1", "--diffusion-height",
-                             str(SIZE), "--diffusion-width", str(SIZE), "--diffusion-num-steps", str(STEPS),
-                             "--diffusion-flow-shift", "3.0"])
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            "Qwen/Qwen-Image",
+            "--rollout-batch-size",
+            "1",
+            "--diffusion-height",
+            str(SIZE),
+            "--diffusion-width",
+            str(SIZE),
+            "--diffusion-num-steps",
+            str(STEPS),
+            "--diffusion-flow-shift",
+            "3.0",
+        ]
+    )
     request = RolloutSettings.from_config(config).request(PROMPT, Microgroup(0, 0, 1, 0), (0,), tuple(range(STEPS + 1)))
     params = family.resolve_params(request)
     assert params.flow_shift == 3.0
@@ -317,8 +345,9 @@ def test_flow_shift_replaces_the_dynamic_shift(family: QwenImageFamily, pipe) ->
     shifted_pipe.set_progress_bar_config(disable=True)
     x = family.initial_latents(params, _generators(1, 1))["latents"]
     with torch.no_grad():
-        theirs = shifted_pipe(PROMPT, latents=x, height=SIZE, width=SIZE, num_inference_steps=STEPS,
-                              true_cfg_scale=1.0, output_type="latent").images
+        theirs = shifted_pipe(
+            PROMPT, latents=x, height=SIZE, width=SIZE, num_inference_steps=STEPS, true_cfg_scale=1.0, output_type="latent"
+        ).images
     assert torch.equal(schedule.sigmas, shifted.sigmas) and torch.equal(schedule.timesteps, shifted.timesteps)
     assert not torch.equal(schedule.sigmas, family.schedule(_params(family, None)).sigmas)
     ours = _family_latents(family, params, x, family.encode(PROMPT, None, params))
@@ -334,8 +363,9 @@ def test_max_sequence_length_matches_the_pipeline_argument(family: QwenImageFami
     theirs = _pipeline(pipe, PROMPT, x, TRUE_CFG, "latent", max_sequence_length=4)
     assert (ours - theirs).abs().max().item() <= 1e-5
     # Control: the default length gives another sample.
-    assert not torch.allclose(ours, _family_latents(family, _params(family, TRUE_CFG), x,
-                                                    family.encode(PROMPT, " ", _params(family, TRUE_CFG))))
+    assert not torch.allclose(
+        ours, _family_latents(family, _params(family, TRUE_CFG), x, family.encode(PROMPT, " ", _params(family, TRUE_CFG)))
+    )
 
 
 def test_decode_shape_and_range(family: QwenImageFamily) -> None:

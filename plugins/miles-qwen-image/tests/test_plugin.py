@@ -38,6 +38,8 @@ def test_spec_values(host: PluginHost) -> None:
         "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )  # fmt: skip
+    assert spec.pipeline_classes == ("QwenImagePipeline",) == (QwenImageFamily.pipeline_class.split(":")[1],)
+    assert spec.checkpoint_check is None
 
 
 def test_plugin_and_family_stay_light() -> None:

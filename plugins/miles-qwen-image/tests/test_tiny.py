@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from diffusers import QwenImagePipeline
 
@@ -89,3 +90,8 @@ def test_native_size_matches_pipeline_default(tiny_dir: Path, pipe: QwenImagePip
     assert pipe.vae_scale_factor == pipe.vae.spatial_compression_ratio == 4
     image = _sample(pipe, "a red apple", height=None, width=None)
     assert image.shape == (1, 3, height, width)
+
+
+def test_recognised_by_content_under_a_neutral_name(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # "my-finetune" matches no family's name patterns: model_index.json and the configs decide.
+    testing.assert_matched_by_content(tiny_dir, "qwen_image", tmp_path_factory.mktemp("neutral"))

@@ -14,16 +14,27 @@ import pytest
 import torch
 
 from miles_core import family_checks, testing
-from miles_core.engine.request import RolloutRequest
+from miles_core.request import RolloutRequest
 from miles_qwen_image.family import QwenImageFamily
 
 FAMILY = "qwen_image"  # the tiny directory's name matches no checkpoint pattern
 SIZE = 32
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "qwen_image.yaml"
 RECIPE_KEYS = (
-    "diffusion_true_cfg_scale", "diffusion_sde_type", "diffusion_noise_level", "diffusion_num_sde_steps",
-    "diffusion_sde_window_range", "globalize_reward_std", "diffusion_clip_range", "diffusion_adv_clip_max",
-    "diffusion_kl_beta", "lora_init_weights", "lr", "weight_decay", "clip_grad", "gradient_checkpointing",
+    "diffusion_true_cfg_scale",
+    "diffusion_sde_type",
+    "diffusion_noise_level",
+    "diffusion_num_sde_steps",
+    "diffusion_sde_window_range",
+    "globalize_reward_std",
+    "diffusion_clip_range",
+    "diffusion_adv_clip_max",
+    "diffusion_kl_beta",
+    "lora_init_weights",
+    "lr",
+    "weight_decay",
+    "clip_grad",
+    "gradient_checkpointing",
 )
 LONG_PROMPT = "a very small green frog sitting on a large wet leaf next to a pond under the rain at night"
 
@@ -37,15 +48,22 @@ def family(pipe) -> QwenImageFamily:
 
 def _args(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
     # The tiny pipeline's native size is 512: train at 32x32.
-    return family_checks.tiny_train_args(tiny_dir, out, "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE),
-                                         *extra, family=FAMILY)
+    return family_checks.tiny_train_args(
+        tiny_dir, out, "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE), *extra, family=FAMILY
+    )
 
 
 @pytest.mark.parametrize("true_cfg", [4.0, None], ids=["true-cfg", "no-cfg"])
 def test_multi_output_invariant(family: QwenImageFamily, true_cfg) -> None:
     request = RolloutRequest(
-        prompt="a red cube", seed=5, height=SIZE, width=SIZE, num_inference_steps=3, num_outputs_per_prompt=3,
-        true_cfg_scale=true_cfg, rollout_return_dit_trajectory=True,
+        prompt="a red cube",
+        seed=5,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        num_outputs_per_prompt=3,
+        true_cfg_scale=true_cfg,
+        rollout_return_dit_trajectory=True,
     )
     worst = family_checks.check_multi_output_invariant(family, request)
     print(f"true_cfg {true_cfg}: multi-output invariant max |diff| = {worst:.3e}")
@@ -58,17 +76,27 @@ def test_flow_grpo_lora_run_and_generate_with_its_lora(tiny_dir: Path, tmp_path:
     lora = tmp_path / "run" / "lora"
     assert (lora / "pytorch_lora_weights.safetensors").is_file()
     # The LoRA the run saved loads into QwenImagePipeline (generate --lora uses load_lora_weights).
-    files = family_checks.check_generate_writes(tiny_dir, tmp_path / "gen", "--lora", str(lora),
-                                                "--height", str(SIZE), "--width", str(SIZE), family=FAMILY)
+    files = family_checks.check_generate_writes(
+        tiny_dir, tmp_path / "gen", "--lora", str(lora), "--height", str(SIZE), "--width", str(SIZE), family=FAMILY
+    )
     assert [f.name for f in files] == ["p000_s0.png", "p000_s1.png"]
 
 
 def test_nft_lora_run_completes(tiny_dir: Path, tmp_path: Path) -> None:
     """DiffusionNFT (CFG-free deterministic rollouts) runs too; the reference's Qwen-Image
     recipe is Flow-GRPO, so this is a smoke test only."""
-    records = family_checks.run_training(_args(
-        tiny_dir, tmp_path, "--loss-type", "nft", "--diffusion-num-sde-steps", "0", "--diffusion-sde-type", "ode",
-    ))
+    records = family_checks.run_training(
+        _args(
+            tiny_dir,
+            tmp_path,
+            "--loss-type",
+            "nft",
+            "--diffusion-num-sde-steps",
+            "0",
+            "--diffusion-sde-type",
+            "ode",
+        )
+    )
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert all(math.isfinite(r["train/nft_loss"]) and r["train/grad_norm"] > 0 for r in records)
 
@@ -84,12 +112,37 @@ def test_sft_run_on_images_with_prompts_of_different_lengths(tiny_dir: Path, tmp
         Image.fromarray(pixels).save(tmp_path / f"image{i}.png")
         rows.append(json.dumps({"input": prompt, "image": f"image{i}.png"}) + "\n")
     (tmp_path / "sft.jsonl").write_text("".join(rows), encoding="utf-8")
-    records = family_checks.run_training([
-        "--hf-checkpoint", str(tiny_dir), "--diffusion-model-family", FAMILY, "--prompt-data", str(tmp_path / "sft.jsonl"),
-        "--loss-type", "sft_loss", "--rollout-batch-size", "2", "--n-samples-per-prompt", "1", "--micro-batch-size", "2",
-        "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE), "--use-lora", "--lora-rank", "4",
-        "--num-rollout", "2", "--diffusion-forward-dtype", "fp32", "--output-dir", str(tmp_path / "run"),
-    ])
+    records = family_checks.run_training(
+        [
+            "--hf-checkpoint",
+            str(tiny_dir),
+            "--diffusion-model-family",
+            FAMILY,
+            "--prompt-data",
+            str(tmp_path / "sft.jsonl"),
+            "--loss-type",
+            "sft_loss",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "1",
+            "--micro-batch-size",
+            "2",
+            "--diffusion-height",
+            str(SIZE),
+            "--diffusion-width",
+            str(SIZE),
+            "--use-lora",
+            "--lora-rank",
+            "4",
+            "--num-rollout",
+            "2",
+            "--diffusion-forward-dtype",
+            "fp32",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert len(records) == 2
     assert all(math.isfinite(r["train/sft_loss"]) and r["train/grad_norm"] > 0 for r in records)
 
@@ -125,9 +178,16 @@ def test_alignment_probe_with_the_recipe_has_zero_drift(tiny_dir: Path, tmp_path
 def test_alignment_probe_in_bf16_has_zero_drift(tiny_dir: Path, tmp_path: Path) -> None:
     """bf16 forwards (what a GPU run picks): the conditioning crosses the engine/trainer
     boundary as fp32 and back, the mask as floats; the drift is still exactly 0."""
-    record = family_checks.check_alignment_probe(_args(
-        tiny_dir, tmp_path, "--diffusion-true-cfg-scale", "4.0", "--diffusion-forward-dtype", "bf16",
-    ))
+    record = family_checks.check_alignment_probe(
+        _args(
+            tiny_dir,
+            tmp_path,
+            "--diffusion-true-cfg-scale",
+            "4.0",
+            "--diffusion-forward-dtype",
+            "bf16",
+        )
+    )
     print({k: v for k, v in record.items() if "abs_diff" in k and not k.endswith("_per_step")})
 
 
@@ -136,10 +196,23 @@ def test_micro_batches_mixing_prompts_of_different_lengths(tiny_dir: Path, tmp_p
     masked in the trainer, where the engine ran it unpadded; the drift stays at float noise."""
     prompts = tmp_path / "mixed.jsonl"
     prompts.write_text("".join(json.dumps({"input": p}) + "\n" for p in ("a red cube", LONG_PROMPT)), encoding="utf-8")
-    (record,) = family_checks.run_training(_args(
-        tiny_dir, tmp_path, "--prompt-data", str(prompts), "--rollout-batch-size", "2", "--micro-batch-size", "8",
-        "--diffusion-true-cfg-scale", "4.0", "--num-rollout", "1", *family_checks.PROBE_FLAGS,
-    ))
+    (record,) = family_checks.run_training(
+        _args(
+            tiny_dir,
+            tmp_path,
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            "2",
+            "--micro-batch-size",
+            "8",
+            "--diffusion-true-cfg-scale",
+            "4.0",
+            "--num-rollout",
+            "1",
+            *family_checks.PROBE_FLAGS,
+        )
+    )
     print({k: v for k, v in record.items() if "abs_diff" in k and not k.endswith("_per_step")})
     assert record["train/num_pairs"] == 8
     assert record["train/model_output_max_abs_diff"] <= 1e-5
@@ -149,7 +222,13 @@ def test_micro_batches_mixing_prompts_of_different_lengths(tiny_dir: Path, tmp_p
 
 def test_training_reaches_the_transformer(tiny_dir: Path) -> None:
     norms = family_checks.check_training_reaches_components(
-        tiny_dir, "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE), "--diffusion-true-cfg-scale", "4.0",
+        tiny_dir,
+        "--diffusion-height",
+        str(SIZE),
+        "--diffusion-width",
+        str(SIZE),
+        "--diffusion-true-cfg-scale",
+        "4.0",
         family=FAMILY,
     )
     assert set(norms) == {"transformer"}
@@ -168,9 +247,24 @@ def test_true_cfg_flag_reaches_the_family(family: QwenImageFamily) -> None:
     engine = EmbeddedEngine(family)
 
     def sample(*flags: str) -> torch.Tensor:
-        config = resolve_config(["--hf-checkpoint", "Qwen/Qwen-Image", "--diffusion-height", str(SIZE),
-                                 "--diffusion-width", str(SIZE), "--diffusion-num-steps", "2", "--rollout-batch-size", "1", *flags])
-        request = RolloutSettings.from_config(config).request("a red cube", Microgroup(group_index=0, offset=0, size=1, seed=3), (0,), (0, 1, 2))
+        config = resolve_config(
+            [
+                "--hf-checkpoint",
+                "Qwen/Qwen-Image",
+                "--diffusion-height",
+                str(SIZE),
+                "--diffusion-width",
+                str(SIZE),
+                "--diffusion-num-steps",
+                "2",
+                "--rollout-batch-size",
+                "1",
+                *flags,
+            ]
+        )
+        request = RolloutSettings.from_config(config).request(
+            "a red cube", Microgroup(group_index=0, offset=0, size=1, seed=3), (0,), (0, 1, 2)
+        )
         return engine.generate_sync(request)[0].generated_output
 
     unset, off, on = sample(), sample("--diffusion-true-cfg-scale", "1.0"), sample("--diffusion-true-cfg-scale", "4.0")

@@ -12,8 +12,16 @@ from PIL import Image
 
 from miles_core.config.resolve import resolve_config
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+]
 IMAGE_SIZE = 32
 
 
@@ -27,17 +35,21 @@ def save_tiny_clip(directory: Path, *, projection_dim: int = 64, seed: int = 0) 
     tokenizer = clip_tokenizer()
     layers = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
     config = CLIPConfig(
-        text_config=dict(**layers, vocab_size=len(tokenizer), max_position_embeddings=77,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id),
+        text_config=dict(
+            **layers,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
         vision_config=dict(**layers, image_size=IMAGE_SIZE, patch_size=8),
         projection_dim=projection_dim,
         logit_scale_init_value=3.2,  # exp: 24.5, far from 1 and from 26
     )
     torch.manual_seed(seed)
     CLIPModel(config).save_pretrained(directory)
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(directory)
     return directory
 
@@ -64,8 +76,7 @@ def image_embeddings(model, processor, images: list[Image.Image]) -> torch.Tenso
 
 def text_embeddings(model, processor, prompts: list[str]) -> torch.Tensor:
     with torch.no_grad():
-        out = model.get_text_features(**processor(text=prompts, padding=True, truncation=True, max_length=77,
-                                                  return_tensors="pt"))
+        out = model.get_text_features(**processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"))
     embeds = out if isinstance(out, torch.Tensor) else out.pooler_output
     return embeds / embeds.norm(dim=-1, keepdim=True)
 
@@ -87,7 +98,7 @@ def build_reward(name: str, *args: str):
 
 
 def config_errors(*args: str) -> list[str]:
-    from miles_core.config.errors import ConfigError
+    from miles_core.errors import ConfigError
 
     try:
         resolve_config([*BASE, *args])

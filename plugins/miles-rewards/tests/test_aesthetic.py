@@ -8,13 +8,12 @@ import collections
 import pytest
 import torch
 
-from miles_core.training.rewards import RewardError
+from miles_core.errors import RewardError
 from miles_rewards.aesthetic import AestheticHead
 
 from ._clip_tiny import as_pil, build_reward, config_errors, image_embeddings, load_direct, random_image, save_tiny_clip
 
-LAYERS = {"layers.0": (768, 1024), "layers.2": (1024, 128), "layers.4": (128, 64), "layers.6": (64, 16),
-          "layers.7": (16, 1)}
+LAYERS = {"layers.0": (768, 1024), "layers.2": (1024, 128), "layers.4": (128, 64), "layers.6": (64, 16), "layers.7": (16, 1)}
 
 
 class NotATensor:
@@ -28,7 +27,7 @@ def random_head_state(seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, (fan_in, fan_out) in LAYERS.items():
-        state[f"{name}.weight"] = torch.randn(fan_out, fan_in, generator=generator) / fan_in ** 0.5
+        state[f"{name}.weight"] = torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5
         state[f"{name}.bias"] = torch.randn(fan_out, generator=generator) * 0.1
     return state
 
@@ -42,8 +41,13 @@ def weights(tmp_path_factory):
 
     save_file(state, str(root / "head.safetensors"))
     torch.save(collections.OrderedDict(state), root / "sac+logos+ava1-l14-linearMSE.pth")
-    return {"clip": clip, "safetensors": root / "head.safetensors", "pth": root / "sac+logos+ava1-l14-linearMSE.pth",
-            "state": state, "root": root}
+    return {
+        "clip": clip,
+        "safetensors": root / "head.safetensors",
+        "pth": root / "sac+logos+ava1-l14-linearMSE.pth",
+        "state": state,
+        "root": root,
+    }
 
 
 def aesthetic(clip, head, *args):
@@ -156,15 +160,22 @@ def test_missing_and_invalid_paths_are_one_line_config_errors(weights, tmp_path)
     clip = ["--aesthetic-clip-path", str(weights["clip"])]
     missing = tmp_path / "head.pth"
     assert config_errors("--rm-type", "aesthetic", *clip, "--aesthetic-head-path", str(missing)) == [
-        f"--aesthetic-head-path {missing}: no such file"]
+        f"--aesthetic-head-path {missing}: no such file"
+    ]
     text = tmp_path / "head.txt"
     text.write_text("x")
     assert config_errors("--rm-type", "aesthetic", *clip, "--aesthetic-head-path", str(text)) == [
-        f"--aesthetic-head-path {text}: expected a .safetensors, .pth, .pt or .bin file"]
-    assert config_errors("--rm-type", "aesthetic", "--aesthetic-clip-path", "./no/such/clip",
-                         "--aesthetic-head-path", str(weights["pth"])) == [
-        "--aesthetic-clip-path ./no/such/clip: no such directory (nor a hub id like org/name)"]
-    assert config_errors("--rm-type", "aesthetic", "--aesthetic-clip-path", "openai/clip-vit-large-patch14",
-                         "--aesthetic-head-path", str(weights["pth"])) == []
-    assert config_errors("--rm-type", "aesthetic", *clip, "--aesthetic-head-path", str(weights["pth"]),
-                         "--aesthetic-batch-size", "0") == ["--aesthetic-batch-size 0: must be at least 1"]
+        f"--aesthetic-head-path {text}: expected a .safetensors, .pth, .pt or .bin file"
+    ]
+    assert config_errors(
+        "--rm-type", "aesthetic", "--aesthetic-clip-path", "./no/such/clip", "--aesthetic-head-path", str(weights["pth"])
+    ) == ["--aesthetic-clip-path ./no/such/clip: no such directory (nor a hub id like org/name)"]
+    assert (
+        config_errors(
+            "--rm-type", "aesthetic", "--aesthetic-clip-path", "openai/clip-vit-large-patch14", "--aesthetic-head-path", str(weights["pth"])
+        )
+        == []
+    )
+    assert config_errors("--rm-type", "aesthetic", *clip, "--aesthetic-head-path", str(weights["pth"]), "--aesthetic-batch-size", "0") == [
+        "--aesthetic-batch-size 0: must be at least 1"
+    ]

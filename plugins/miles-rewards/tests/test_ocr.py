@@ -33,8 +33,16 @@ from miles_rewards.ocr import (
     video_reward,
 )
 
-BASE = ["--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--diffusion-num-sde-steps", "2"]
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+]
 
 
 def render(text: str, size: tuple[int, int] = (512, 160), font_size: int = 48) -> torch.Tensor:
@@ -202,8 +210,7 @@ def test_recogniser_failure_scores_zero_with_a_warning(caplog, monkeypatch):
     assert values == [0.0, 0.0]
     assert reward.failures == 2
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2 and all("tesseract recogniser failed" in w and "TesseractNotFoundError" in w
-                                      for w in warnings)
+    assert len(warnings) == 2 and all("tesseract recogniser failed" in w and "TesseractNotFoundError" in w for w in warnings)
     # A failing frame of a video is one frame at 0, left out of the mean.
     calls = iter([RuntimeError("boom"), "helloworld"])
 
@@ -328,8 +335,8 @@ def test_workers_run_the_recogniser_on_that_many_threads():
 
 @pytest.mark.exercises("--ocr-num-workers")
 def test_workers_flag_resolves_and_is_validated():
-    from miles_core.config.errors import ConfigError
     from miles_core.config.resolve import resolve_config
+    from miles_core.errors import ConfigError
 
     assert resolve_config([*BASE, "--rm-type", "ocr"]).ocr_num_workers == 4
     assert resolve_config([*BASE, "--rm-type", "ocr", "--ocr-num-workers", "2"]).ocr_num_workers == 2
@@ -352,13 +359,16 @@ def test_backend_flag_defaults_to_tesseract_and_lists_the_choices():
 
 
 @pytest.mark.exercises("--ocr-backend")
-@pytest.mark.parametrize("backend, modules, expected", [
-    ("easyocr", ("easyocr", "easyocr_en_models"), "miles-rewards[easyocr]"),
-    ("paddleocr", ("paddleocr",), "miles-rewards[paddleocr]"),
-])
+@pytest.mark.parametrize(
+    "backend, modules, expected",
+    [
+        ("easyocr", ("easyocr", "easyocr_en_models"), "miles-rewards[easyocr]"),
+        ("paddleocr", ("paddleocr",), "miles-rewards[paddleocr]"),
+    ],
+)
 def test_a_backend_that_is_not_installed_is_a_one_line_error(backend, modules, expected, monkeypatch):
-    from miles_core.config.errors import ConfigError
     from miles_core.config.resolve import resolve_config
+    from miles_core.errors import ConfigError
 
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)  # import fails, find_spec gives None
@@ -375,10 +385,9 @@ def test_a_backend_that_is_not_installed_is_a_one_line_error(backend, modules, e
 
 @pytest.mark.exercises("--ocr-backend")
 def test_missing_tesseract_stops_a_run_with_one_line_naming_what_to_install(monkeypatch, capsys):
-    from miles_core.cli import train
-
-    from miles_core.config.errors import ConfigError
+    from miles_core.cli.main import main
     from miles_core.config.resolve import resolve_config
+    from miles_core.errors import ConfigError
     from miles_rewards.plugin import OCR_MISSING
 
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -390,7 +399,7 @@ def test_missing_tesseract_stops_a_run_with_one_line_naming_what_to_install(monk
         resolve_config([*BASE, "--reward-weights", '{"ocr": 0.5, "brightness": 0.5}'])
     assert config_error.value.messages == [OCR_MISSING["tesseract"]]
     resolve_config([*BASE, "--rm-type", "brightness"])
-    assert train.run([*BASE, "--rm-type", "ocr", "--output-dir", "/nonexistent/never-written"]) == 2
+    assert main(["train", *BASE, "--rm-type", "ocr", "--output-dir", "/nonexistent/never-written"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "needs the Tesseract binary" in lines[0] and "tesseract-ocr" in lines[0]
     assert "scripts/install.sh" in lines[0]
@@ -442,9 +451,21 @@ def test_through_the_core_scorer_a_prompt_without_quotes_is_a_masked_failed_samp
     scorer = RewardScorer(resolve_config([*BASE, "--rm-type", "ocr", "--ocr-num-workers", "2"]))
     outputs = [render("Hello World"), render("Helo World"), BLANK, render("Hello World")]
     prompts = ['"Hello World"', '"Hello World"', '"Hello World"', "no quotes"]
-    samples = [SimpleNamespace(pixels=o, prompt=p, metadata={}, seed=i, group_index=i // 2, index_in_group=i % 2,
-                               reward=None, reward_components={}, reward_failed=False, remove_sample=False)
-               for i, (o, p) in enumerate(zip(outputs, prompts))]
+    samples = [
+        SimpleNamespace(
+            pixels=o,
+            prompt=p,
+            metadata={},
+            seed=i,
+            group_index=i // 2,
+            index_in_group=i % 2,
+            reward=None,
+            reward_components={},
+            reward_failed=False,
+            remove_sample=False,
+        )
+        for i, (o, p) in enumerate(zip(outputs, prompts))
+    ]
     values = asyncio.run(scorer.score(samples)).tolist()
     assert values[:3] == [1.0, pytest.approx(0.9, abs=1e-6), 0.0] and math.isnan(values[3])
     assert [s.reward_failed for s in samples] == [False, False, False, True]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from miles_core.training.rewards import RewardError
+from miles_core.errors import RewardError
 from miles_rewards.clip_models import frame_indices
 
 from ._clip_tiny import (
@@ -22,8 +22,11 @@ from ._clip_tiny import (
     text_embeddings,
 )
 
-PROMPTS = ["A red apple sits on a wooden table.", "Snow covered mountains above a calm lake.",
-           "A robot made of shiny silver metal walks through a quiet forest."]
+PROMPTS = [
+    "A red apple sits on a wooden table.",
+    "Snow covered mountains above a calm lake.",
+    "A robot made of shiny silver metal walks through a quiet forest.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,7 @@ def clip_dir(tmp_path_factory):
 
 
 def pickscore(clip_dir, *args):
-    return build_reward("pickscore", "--pickscore-model-path", str(clip_dir),
-                        "--pickscore-processor-path", str(clip_dir), *args)
+    return build_reward("pickscore", "--pickscore-model-path", str(clip_dir), "--pickscore-processor-path", str(clip_dir), *args)
 
 
 def direct_scores(clip_dir, images, prompts):
@@ -58,8 +60,7 @@ def test_full_path_matches_the_formula(clip_dir):
     assert other[0] != pytest.approx(scores[0], rel=1e-4)
     model, processor = load_direct(clip_dir)
     assert model.logit_scale.exp().item() == pytest.approx(24.53, abs=0.01)
-    cos = (text_embeddings(model, processor, PROMPTS[:1]) * image_embeddings(model, processor, [as_pil(images[0])])
-           ).sum().item()
+    cos = (text_embeddings(model, processor, PROMPTS[:1]) * image_embeddings(model, processor, [as_pil(images[0])])).sum().item()
     assert scores[0] == pytest.approx(24.5325 * cos / 26, rel=1e-4)
 
 
@@ -106,8 +107,17 @@ def test_batch_size_sets_the_frames_per_forward_not_the_scores(clip_dir):
 
 @pytest.mark.parametrize(
     "count, wanted, expected",
-    [(5, 2, [0, 4]), (8, 3, [0, 3, 7]), (4, 3, [0, 1, 3]), (6, 4, [0, 1, 3, 5]), (81, 5, [0, 20, 40, 60, 80]),
-     (6, 1, [0]), (3, 5, [0, 1, 2]), (3, 3, [0, 1, 2]), (4, None, [0, 1, 2, 3])],
+    [
+        (5, 2, [0, 4]),
+        (8, 3, [0, 3, 7]),
+        (4, 3, [0, 1, 3]),
+        (6, 4, [0, 1, 3, 5]),
+        (81, 5, [0, 20, 40, 60, 80]),
+        (6, 1, [0]),
+        (3, 5, [0, 1, 2]),
+        (3, 3, [0, 1, 2]),
+        (4, None, [0, 1, 2, 3]),
+    ],
 )
 def test_frame_indices_are_linspace_rounded_down(count, wanted, expected):
     assert frame_indices(count, wanted) == expected
@@ -141,7 +151,7 @@ def test_concurrent_calls_from_threads_agree_with_one_call(clip_dir):
     prompts = [PROMPTS[i % 3] for i in range(6)]
     whole = reward(images, prompts)
     with ThreadPoolExecutor(3) as pool:
-        parts = list(pool.map(lambda i: reward(images[i:i + 2], prompts[i:i + 2]), range(0, 6, 2)))
+        parts = list(pool.map(lambda i: reward(images[i : i + 2], prompts[i : i + 2]), range(0, 6, 2)))
     assert [s for part in parts for s in part] == pytest.approx(whole, rel=1e-6)
 
 
@@ -159,23 +169,34 @@ def test_missing_and_invalid_paths_are_one_line_config_errors(clip_dir, tmp_path
         "--pickscore-processor-path is required with the pickscore reward (--rm-type pickscore)",
     ]
     missing = tmp_path / "nowhere" / "clip"
-    assert config_errors("--rm-type", "pickscore", "--pickscore-model-path", str(missing),
-                         "--pickscore-processor-path", str(clip_dir)) == [
-        f"--pickscore-model-path {missing}: no such directory (nor a hub id like org/name)"]
+    assert config_errors("--rm-type", "pickscore", "--pickscore-model-path", str(missing), "--pickscore-processor-path", str(clip_dir)) == [
+        f"--pickscore-model-path {missing}: no such directory (nor a hub id like org/name)"
+    ]
     a_file = clip_dir / "config.json"
-    assert config_errors("--rm-type", "pickscore", "--pickscore-model-path", str(clip_dir),
-                         "--pickscore-processor-path", str(a_file)) == [
-        f"--pickscore-processor-path {a_file}: not a directory (a saved model directory or a hub id is expected)"]
+    assert config_errors("--rm-type", "pickscore", "--pickscore-model-path", str(clip_dir), "--pickscore-processor-path", str(a_file)) == [
+        f"--pickscore-processor-path {a_file}: not a directory (a saved model directory or a hub id is expected)"
+    ]
     # Hub ids pass the config-time check (they are resolved when the reward loads).
-    assert config_errors("--rm-type", "pickscore", "--pickscore-model-path", "yuvalkirstain/PickScore_v1",
-                         "--pickscore-processor-path", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K") == []
+    assert (
+        config_errors(
+            "--rm-type",
+            "pickscore",
+            "--pickscore-model-path",
+            "yuvalkirstain/PickScore_v1",
+            "--pickscore-processor-path",
+            "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+        )
+        == []
+    )
     # Not using the reward: the paths are not required.
     assert config_errors("--rm-type", "brightness") == []
     # Used in a mixture or for evaluation only: required, and the message says where.
     assert config_errors("--reward-weights", '{"pickscore": 0.5, "brightness": 0.5}')[0] == (
-        "--pickscore-model-path is required with the pickscore reward (--reward-weights)")
+        "--pickscore-model-path is required with the pickscore reward (--reward-weights)"
+    )
     assert config_errors("--rm-type", "brightness", "--eval-rm-type", "pickscore")[0] == (
-        "--pickscore-model-path is required with the pickscore reward (--eval-rm-type pickscore)")
+        "--pickscore-model-path is required with the pickscore reward (--eval-rm-type pickscore)"
+    )
 
 
 def test_a_directory_without_a_model_is_a_one_line_load_error(clip_dir, tmp_path):
@@ -197,7 +218,6 @@ def test_registered_and_the_entry_point_stays_light():
     registry = get_host().registries.reward
     assert registry.get("pickscore").spec.ref == "miles_rewards.pickscore:PickScore"
     assert registry.get("aesthetic").spec.ref == "miles_rewards.aesthetic:Aesthetic"
-    code = ("import sys, miles_rewards.plugin; "
-            "print(sorted(m for m in ('torch', 'transformers', 'PIL', 'numpy') if m in sys.modules))")
+    code = "import sys, miles_rewards.plugin; print(sorted(m for m in ('torch', 'transformers', 'PIL', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"

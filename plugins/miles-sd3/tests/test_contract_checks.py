@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles_core import family_checks
-from miles_core.engine.request import RolloutRequest
+from miles_core.request import RolloutRequest
 from miles_sd3.family import SD3Family
 
 
@@ -60,8 +60,16 @@ def test_the_probe_sees_a_perturbed_trainer_weight(tiny: Path, tmp_path: Path, m
 
 
 def request(**overrides) -> RolloutRequest:
-    fields = dict(prompt="a red cube", seed=11, height=32, width=32, num_inference_steps=3, guidance_scale=4.5,
-                  num_outputs_per_prompt=3, rollout_return_dit_trajectory=True)
+    fields = dict(
+        prompt="a red cube",
+        seed=11,
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=4.5,
+        num_outputs_per_prompt=3,
+        rollout_return_dit_trajectory=True,
+    )
     return RolloutRequest(**{**fields, **overrides})
 
 
@@ -138,14 +146,14 @@ def test_generate_check_sees_a_broken_file(tiny: Path, tmp_path: Path, monkeypat
     """Control: a writer that leaves a file nothing can read."""
     from miles_core.cli import generate
 
-    original = generate._write
+    original = generate.write_output
 
     def broken(out, *args, **kwargs):
         name = original(out, *args, **kwargs)
         (out / name).write_bytes(b"not an image")
         return name
 
-    monkeypatch.setattr(generate, "_write", broken)
+    monkeypatch.setattr(generate, "write_output", broken)
     with pytest.raises(AssertionError, match="p000_s0.png: cannot be read back"):
         family_checks.check_generate_writes(tiny, tmp_path / "out", "--height", "32", "--width", "32")
 
@@ -169,9 +177,11 @@ def test_generate_check_reads_videos_back(tiny: Path, tmp_path: Path, monkeypatc
     monkeypatch.setattr(EmbeddedEngine, "generate_sync", as_video)
     size = ("--height", "32", "--width", "32")
     assert [p.name for p in family_checks.check_generate_writes(tiny, tmp_path / "mp4", *size)] == [
-        "p000_s0.mp4", "p000_s1.mp4",
+        "p000_s0.mp4",
+        "p000_s1.mp4",
     ]
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
     assert [p.name for p in family_checks.check_generate_writes(tiny, tmp_path / "gif", *size)] == [
-        "p000_s0.gif", "p000_s1.gif",
+        "p000_s0.gif",
+        "p000_s1.gif",
     ]

@@ -24,9 +24,7 @@ TEST_SEED = 999  # synthetic test images: a seed no training batch uses
 @pytest.fixture(scope="module")
 def trained() -> tuple[AutoencoderKL, dict[str, float]]:
     vae = demo.demo_vae(0)
-    losses = demo.train_demo_vae(
-        vae, seed=0, steps_decoder=STEPS_DECODER, steps_encoder=STEPS_ENCODER, size=TRAIN_SIZE
-    )
+    losses = demo.train_demo_vae(vae, seed=0, steps_decoder=STEPS_DECODER, steps_encoder=STEPS_ENCODER, size=TRAIN_SIZE)
     return vae, losses
 
 
@@ -84,7 +82,7 @@ def test_prompts_name_the_dominant_colour() -> None:
     for image, prompt in zip(images, prompts):
         words = prompt.split()
         colour = torch.tensor(demo.COLOURS[words[1]]).view(3, 1, 1)
-        covered = ((image - colour).abs().amax(dim=0) <= demo._COLOUR_JITTER + 1e-6).float().mean()
+        covered = ((image - colour).abs().amax(dim=0) <= demo.COLOUR_JITTER + 1e-6).float().mean()
         if words[-1] == "background":  # flat, or a gradient from 0.6x to 35% towards white
             assert (image.mean(dim=(1, 2)) - colour.flatten()).abs().max() < 0.25, prompt
         else:
@@ -94,7 +92,7 @@ def test_prompts_name_the_dominant_colour() -> None:
 
 
 def test_standardisation_constants_match_a_fresh_sample() -> None:
-    mean, std = demo._measure_colour_stats(n=512, size=32, seed=42)
+    mean, std = demo.measure_colour_stats(n=512, size=32, seed=42)
     for c in range(3):
         assert abs(mean[c] - demo.LATENT_MEAN[c]) < 0.03 and abs(std[c] / demo.LATENT_STD[c] - 1) < 0.08
     images, _ = demo.synthetic_images(256, 32, seed=43)

@@ -49,6 +49,9 @@ def test_spec_values(host: PluginHost) -> None:
     assert spec.lora_target_modules == EXPECTED_TARGETS
     assert spec.n_samples_per_prompt == 16
     assert spec.rollout_microgroup_size == 8
+    # Matched by content: the pipeline class the family loads, no further check.
+    assert spec.pipeline_classes == ("StableDiffusion3Pipeline",) == (SD3Family.pipeline_class.split(":")[1],)
+    assert spec.checkpoint_check is None
 
 
 def test_plugin_stays_light() -> None:

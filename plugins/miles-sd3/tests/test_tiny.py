@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
@@ -82,8 +83,14 @@ def test_bench_scale_through_make_tiny(tmp_path: Path, capsys) -> None:
 
 def test_unknown_scale_fails_before_writing(tmp_path: Path) -> None:
     import pytest
+
     from miles_sd3 import tiny
 
     with pytest.raises(ValueError, match="unknown scale 'huge'; choose one of tiny, bench"):
         tiny.build(tmp_path / "x", scale="huge")
     assert not (tmp_path / "x").exists()
+
+
+def test_recognised_by_content_under_a_neutral_name(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # "my-finetune" matches no family's name patterns: model_index.json and the configs decide.
+    testing.assert_matched_by_content(tiny_dir, "sd3", tmp_path_factory.mktemp("neutral"))

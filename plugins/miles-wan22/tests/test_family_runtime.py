@@ -21,12 +21,13 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanPipeline,
 )
-from miles_wan22.family import EXPERTS, WAN_DEFAULT_NUM_FRAMES, Wan22Family
 
 import miles_core.family
 from miles_core import family_checks, testing
-from miles_core.engine.request import RequestError, RolloutRequest
+from miles_core.errors import RequestError
 from miles_core.family import GenerationParams
+from miles_core.request import RolloutRequest
+from miles_wan22.family import EXPERTS, WAN_DEFAULT_NUM_FRAMES, Wan22Family
 
 PROMPT = "a red apple on a table"
 NEGATIVE = "blurry"
@@ -57,8 +58,15 @@ def euler_pipe(pipe: WanPipeline) -> WanPipeline:
 
 def _request(guidance: float = GUIDANCE, **kwargs) -> RolloutRequest:
     extra = {"guidance_scale_2": GUIDANCE_2} if guidance > 1 else {}
-    fields = dict(prompt=PROMPT, height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=STEPS,
-                  guidance_scale=guidance, extra_sampling_params=extra)
+    fields = dict(
+        prompt=PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        extra_sampling_params=extra,
+    )
     return RolloutRequest(**{**fields, **kwargs})
 
 
@@ -137,9 +145,18 @@ def test_guidance_scale_2_drives_the_low_noise_expert(euler_pipe: WanPipeline) -
     x = family.initial_latents(params, _generators(7, 1))["latents"]
     other = replace(params, extra={"guidance_scale_2": 6.0})
     ours = _family_euler(family, other, x)
-    theirs = euler_pipe(PROMPT, negative_prompt=NEGATIVE, latents=x, height=SIZE, width=SIZE, num_frames=FRAMES,
-                        num_inference_steps=STEPS, guidance_scale=GUIDANCE, guidance_scale_2=6.0,
-                        output_type="pt").frames.permute(0, 2, 1, 3, 4)
+    theirs = euler_pipe(
+        PROMPT,
+        negative_prompt=NEGATIVE,
+        latents=x,
+        height=SIZE,
+        width=SIZE,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        guidance_scale_2=6.0,
+        output_type="pt",
+    ).frames.permute(0, 2, 1, 3, 4)
     assert (ours - theirs).abs().max().item() <= 1e-5
     assert (ours - _family_euler(family, params, x)).abs().max().item() > 1e-4  # control: the scale mattered
 
@@ -281,10 +298,15 @@ def test_resolve_params_defaults_and_errors(family: Wan22Family, tiny_dir) -> No
     assert (params.height, params.width, params.num_inference_steps) == (480, SIZE, 5)
     with pytest.raises(RequestError, match=r"^width: 832 exceeds the transformer's maximum of 512 \(rope_max_seq_len 32\)$"):
         family.resolve_params(RolloutRequest(prompt=PROMPT, guidance_scale=1.0))
-    params = family.resolve_params(RolloutRequest(prompt=PROMPT, height=SIZE, width=SIZE, guidance_scale=5.0, fps=16.0,
-                                                  extra_sampling_params={"guidance_scale_2": 2}))
+    params = family.resolve_params(
+        RolloutRequest(prompt=PROMPT, height=SIZE, width=SIZE, guidance_scale=5.0, fps=16.0, extra_sampling_params={"guidance_scale_2": 2})
+    )
     assert (params.num_frames, params.fps, params.guidance_scale, dict(params.extra)) == (
-        WAN_DEFAULT_NUM_FRAMES, 16.0, 5.0, {"guidance_scale_2": 2.0})
+        WAN_DEFAULT_NUM_FRAMES,
+        16.0,
+        5.0,
+        {"guidance_scale_2": 2.0},
+    )
     assert params.flow_shift is None and params.true_cfg_scale is None
     assert family.resolve_params(_request(num_frames=1)).num_frames == 1  # one frame: an image
     # Without CFG the low-noise expert's scale has no effect and is not needed.
@@ -300,16 +322,31 @@ def test_resolve_params_defaults_and_errors(family: Wan22Family, tiny_dir) -> No
         ("num_frames", replace(base, num_frames=133), "num_frames: 133 gives more latent frames"),
         ("fps", replace(base, fps=0.0), "fps: must be a finite number > 0"),
         ("true_cfg_scale", replace(base, true_cfg_scale=4.0), "true_cfg_scale: Wan 2.2 has no true CFG"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={**extra, "true_cfg": 1}),
-         "extra_sampling_params: Wan 2.2 takes only flow_shift, guidance_scale_2, max_sequence_length, got true_cfg"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={}),
-         "extra_sampling_params: guidance_scale_2 is required for Wan 2.2 when CFG is on"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"guidance_scale_2": -1.0}),
-         "extra_sampling_params: guidance_scale_2 must be a finite number >= 0"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={"guidance_scale_2": True}),
-         "extra_sampling_params: guidance_scale_2 must be a finite number >= 0"),
-        ("extra_sampling_params", replace(base, extra_sampling_params={**extra, "max_sequence_length": 0}),
-         "extra_sampling_params: max_sequence_length must be an integer in [1, 512]"),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={**extra, "true_cfg": 1}),
+            "extra_sampling_params: Wan 2.2 takes only flow_shift, guidance_scale_2, max_sequence_length, got true_cfg",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={}),
+            "extra_sampling_params: guidance_scale_2 is required for Wan 2.2 when CFG is on",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"guidance_scale_2": -1.0}),
+            "extra_sampling_params: guidance_scale_2 must be a finite number >= 0",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={"guidance_scale_2": True}),
+            "extra_sampling_params: guidance_scale_2 must be a finite number >= 0",
+        ),
+        (
+            "extra_sampling_params",
+            replace(base, extra_sampling_params={**extra, "max_sequence_length": 0}),
+            "extra_sampling_params: max_sequence_length must be an integer in [1, 512]",
+        ),
     ]
     for field, request, message in bad:
         with pytest.raises(RequestError) as excinfo:
@@ -398,7 +435,9 @@ def test_saved_lora_loads_into_a_plain_pipeline_for_both_experts(tiny_dir: Path,
 
     out = family.save_lora(tmp_path / "lora", family.components())
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors")) == [
-        "transformer/pytorch_lora_weights.safetensors", "transformer_2/pytorch_lora_weights.safetensors"]
+        "transformer/pytorch_lora_weights.safetensors",
+        "transformer_2/pytorch_lora_weights.safetensors",
+    ]
 
     plain = testing.load_tiny_pipeline(Wan22Family, tiny_dir)
     base = _pipeline_sample(plain, x, GUIDANCE)

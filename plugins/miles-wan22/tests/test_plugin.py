@@ -45,6 +45,9 @@ def test_family_spec_values(host: PluginHost) -> None:
     assert spec.n_samples_per_prompt == 16
     assert spec.rollout_microgroup_size == 8
     assert spec.supports_cfg_training is True
+    # WanPipeline serves Wan 2.1, 2.2 A14B and TI2V-5B: the check tells A14B apart.
+    assert spec.pipeline_classes == ("WanPipeline",) == (Wan22Family.pipeline_class.split(":")[1],)
+    assert spec.checkpoint_check == "miles_wan22.checkpoint:two_expert_wan"
 
 
 def test_checkpoint_patterns_match_real_names(host: PluginHost) -> None:
@@ -108,8 +111,9 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "wan22.yaml"
 def test_the_recipe_has_the_published_values() -> None:
     from miles_core.config.resolve import resolve_config, training_errors
 
-    config = resolve_config(["--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "--rollout-batch-size", "1",
-                             "--custom-config-path", str(RECIPE)])
+    config = resolve_config(
+        ["--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "--rollout-batch-size", "1", "--custom-config-path", str(RECIPE)]
+    )
     assert config.model_family == "wan2_2" and training_errors(config) == []
     assert (config.n_samples_per_prompt, config.rollout_microgroup_size) == (16, 8)  # reference recipe
     assert config.update_weight_target_module == "transformer,transformer_2"

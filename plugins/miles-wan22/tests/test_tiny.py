@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 
@@ -72,9 +73,7 @@ def test_both_experts_run_on_their_side_of_the_boundary(pipe: WanPipeline) -> No
 
         return hook
 
-    handles = [
-        getattr(pipe, name).register_forward_pre_hook(recorder(name), with_kwargs=True) for name in EXPERTS
-    ]
+    handles = [getattr(pipe, name).register_forward_pre_hook(recorder(name), with_kwargs=True) for name in EXPERTS]
     try:
         _sample(pipe, "a red apple on a table", seed=0)
     finally:
@@ -102,3 +101,8 @@ def test_lora_targets_are_linear_in_each_expert(pipe: WanPipeline) -> None:
     spec = testing.load_plugin("wan22", "miles-wan22").registries.model_family.get("wan2_2").spec
     for name in EXPERTS:
         testing.assert_lora_targets(getattr(pipe, name), spec.lora_target_modules)
+
+
+def test_recognised_by_content_under_a_neutral_name(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # "my-finetune" matches no family's name patterns: model_index.json and the configs decide.
+    testing.assert_matched_by_content(tiny_dir, "wan2_2", tmp_path_factory.mktemp("neutral"))

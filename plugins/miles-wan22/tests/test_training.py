@@ -10,15 +10,24 @@ import pytest
 import torch
 
 from miles_core import family_checks
-from miles_core.config.errors import ConfigError
 from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError
 from miles_wan22.family import EXPERTS, Wan22Family
 
 SIZE, FRAMES = 32, 5
 WAN_FLAGS = (
-    "--diffusion-height", str(SIZE), "--diffusion-width", str(SIZE), "--diffusion-output-num-frames", str(FRAMES),
-    "--diffusion-guidance-scale", "4.0", "--diffusion-guidance-scale-2", "3.0",
-    "--update-weight-target-module", "transformer,transformer_2",
+    "--diffusion-height",
+    str(SIZE),
+    "--diffusion-width",
+    str(SIZE),
+    "--diffusion-output-num-frames",
+    str(FRAMES),
+    "--diffusion-guidance-scale",
+    "4.0",
+    "--diffusion-guidance-scale-2",
+    "3.0",
+    "--update-weight-target-module",
+    "transformer,transformer_2",
 )
 """What every Wan run here adds to the tiny run: a small video (the tiny transformer's
 rope grid does not reach the native 480x832, and 81 frames would be slow), CFG with the
@@ -63,9 +72,7 @@ def test_a_short_flow_grpo_lora_run_trains_and_saves_both_experts(tiny: Path, tm
 
 
 def test_alignment_probe_has_zero_drift(tiny: Path, tmp_path: Path) -> None:
-    record = family_checks.check_alignment_probe(
-        family_checks.tiny_train_args(tiny, tmp_path / "probe", *WAN_FLAGS, "--num-rollout", "1")
-    )
+    record = family_checks.check_alignment_probe(family_checks.tiny_train_args(tiny, tmp_path / "probe", *WAN_FLAGS, "--num-rollout", "1"))
     assert record["train/num_pairs"] == 4
     print("alignment probe:", {k: v for k, v in record.items() if "abs_diff" in k and not k.endswith("per_step")})
 
@@ -82,8 +89,21 @@ def test_nft_run_trains_both_experts(tiny: Path, tmp_path: Path) -> None:
     # micro-batch may hold steps of both experts (predict splits it by expert).
     run = tmp_path / "nft"
     args = family_checks.tiny_train_args(
-        tiny, run, *WAN_FLAGS, "--loss-type", "nft", "--diffusion-num-sde-steps", "0", "--diffusion-num-steps", "4",
-        "--diffusion-guidance-scale", "1.0", "--micro-batch-size", "3", "--lr", "1e-2",
+        tiny,
+        run,
+        *WAN_FLAGS,
+        "--loss-type",
+        "nft",
+        "--diffusion-num-sde-steps",
+        "0",
+        "--diffusion-num-steps",
+        "4",
+        "--diffusion-guidance-scale",
+        "1.0",
+        "--micro-batch-size",
+        "3",
+        "--lr",
+        "1e-2",
     )
     records = family_checks.run_training(args)
     for record in records:
@@ -111,8 +131,24 @@ def test_generate_with_cfg_but_no_guidance_scale_2_stops_with_one_line(tiny: Pat
     from miles_core.cli import generate
 
     with pytest.raises(SystemExit) as excinfo:
-        generate.run(["--hf-checkpoint", str(tiny), "--prompt", "a red cube", "--height", str(SIZE), "--width", str(SIZE),
-                      "--num-frames", str(FRAMES), "--num-inference-steps", "2", "--out", str(tmp_path / "out")])
+        generate.run(
+            [
+                "--hf-checkpoint",
+                str(tiny),
+                "--prompt",
+                "a red cube",
+                "--height",
+                str(SIZE),
+                "--width",
+                str(SIZE),
+                "--num-frames",
+                str(FRAMES),
+                "--num-inference-steps",
+                "2",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     assert excinfo.value.code == 2
     err = capsys.readouterr().err
     assert "guidance_scale_2 is required for Wan 2.2 when CFG is on" in err
@@ -121,9 +157,29 @@ def test_generate_with_cfg_but_no_guidance_scale_2_stops_with_one_line(tiny: Pat
     outputs = {}
     for scale in ("3", "6"):
         out = tmp_path / f"cfg{scale}"
-        assert generate.run(["--hf-checkpoint", str(tiny), "--prompt", "a red cube", "--height", str(SIZE),
-                             "--width", str(SIZE), "--num-frames", str(FRAMES), "--num-inference-steps", "2",
-                             "--guidance-scale-2", scale, "--out", str(out)]) == 0
+        assert (
+            generate.run(
+                [
+                    "--hf-checkpoint",
+                    str(tiny),
+                    "--prompt",
+                    "a red cube",
+                    "--height",
+                    str(SIZE),
+                    "--width",
+                    str(SIZE),
+                    "--num-frames",
+                    str(FRAMES),
+                    "--num-inference-steps",
+                    "2",
+                    "--guidance-scale-2",
+                    scale,
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         outputs[scale] = sorted(p.read_bytes() for p in out.iterdir() if p.suffix in (".mp4", ".gif"))
     assert outputs["3"] and outputs["3"] != outputs["6"]
 
@@ -131,10 +187,8 @@ def test_generate_with_cfg_but_no_guidance_scale_2_stops_with_one_line(tiny: Pat
 @pytest.mark.exercises("--diffusion-guidance-scale-2", "--update-weight-target-module")
 def test_config_requires_guidance_scale_2_and_both_experts(tiny: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
-        resolve_config(["--hf-checkpoint", str(tiny), "--rollout-batch-size", "1", "--update-weight-target-module",
-                        "transformer"])
-    assert [m.split(" ", 1)[0] for m in excinfo.value.messages] == [
-        "--diffusion-guidance-scale-2", "--update-weight-target-module"]
+        resolve_config(["--hf-checkpoint", str(tiny), "--rollout-batch-size", "1", "--update-weight-target-module", "transformer"])
+    assert [m.split(" ", 1)[0] for m in excinfo.value.messages] == ["--diffusion-guidance-scale-2", "--update-weight-target-module"]
     # Unset, the family's trainable components: both experts.
     both = resolve_config(["--hf-checkpoint", str(tiny), "--rollout-batch-size", "1", "--diffusion-guidance-scale-2", "3"])
     assert both.update_weight_target_module == "transformer,transformer_2"
@@ -150,10 +204,28 @@ def test_frames_fps_and_guidance_scale_2_reach_the_engine(tiny: Path) -> None:
     from miles_core.rollout.generate import RolloutSettings
     from miles_core.rollout.seeds import Microgroup
 
-    config = resolve_config(["--hf-checkpoint", str(tiny), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-                             "--diffusion-num-steps", "2", *WAN_FLAGS, "--diffusion-output-num-frames", "9",
-                             "--diffusion-fps", "12", "--diffusion-guidance-scale-2", "2.5"])
-    request = RolloutSettings.from_config(config).request("a red cube", Microgroup(group_index=0, offset=0, size=2, seed=3), (0,), (0, 1, 2))
+    config = resolve_config(
+        [
+            "--hf-checkpoint",
+            str(tiny),
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--diffusion-num-steps",
+            "2",
+            *WAN_FLAGS,
+            "--diffusion-output-num-frames",
+            "9",
+            "--diffusion-fps",
+            "12",
+            "--diffusion-guidance-scale-2",
+            "2.5",
+        ]
+    )
+    request = RolloutSettings.from_config(config).request(
+        "a red cube", Microgroup(group_index=0, offset=0, size=2, seed=3), (0,), (0, 1, 2)
+    )
     assert (request.num_frames, request.fps, dict(request.extra_sampling_params)) == (9, 12.0, {"guidance_scale_2": 2.5})
     outputs = create_engine(config).generate_sync(request)
     assert [o.generated_output.shape for o in outputs] == [(3, 9, SIZE, SIZE)] * 2

@@ -3,7 +3,7 @@ stepping, log-probs and the float64 fallback come from the base class."""
 
 import torch
 
-from miles_core.sde import SdeBackend, broadcast_sigma, working_precision
+from miles_core.api import SdeBackend, broadcast_sigma, working_precision
 
 
 class ConstantNoiseSde(SdeBackend):

@@ -1,6 +1,6 @@
 """Entry point: registration records only, so discovery stays fast."""
 
-from miles_core import RewardSpec, SdeBackendSpec, hookimpl
+from miles_core.api import RewardSpec, SdeBackendSpec, hookimpl
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """Entry point: records only (no numpy, no model), so discovery stays fast."""
 
-from miles_core import Flag, RewardSpec, hookimpl
+from miles_core.api import Flag, RewardSpec, hookimpl
 
 
 @hookimpl
@@ -18,8 +18,13 @@ def miles_register_rewards():
 @hookimpl
 def miles_add_arguments():
     return [
-        Flag(name="--photo-exposure-target", group="reward", type="float", default=0.5,
-             help="Mean pixel value the photo reward's exposure key is highest at (1 there, 0 at black or white)."),
+        Flag(
+            name="--photo-exposure-target",
+            group="reward",
+            type="float",
+            default=0.5,
+            help="Mean pixel value the photo reward's exposure key is highest at (1 there, 0 at black or white).",
+        ),
     ]
 
 

@@ -43,10 +43,11 @@ Image/video conditioning, sound and action generation are not part of the RL con
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from miles_core.family import (
+from miles_core.api import (
     Conditioning,
     GenerationParams,
     Latents,
@@ -65,7 +66,7 @@ from miles_core.family import (
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.api import RolloutRequest
 
 # Cosmos3OmniPipeline.__call__ hard-codes these when height/width are None (and the run is
 # not action-conditioned); they do not depend on any checkpoint configuration.
@@ -113,16 +114,17 @@ class Cosmos3Family(ModelFamily):
             if is_generation_parameter(name):
                 yield name, parameter
 
-
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        from miles_core.engine.request import FLOW_SHIFT, RequestError
+        from miles_core.api import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         spatial = int(pipe.vae_scale_factor_spatial)  # Cosmos3OmniPipeline.check_inputs
         temporal = int(pipe.vae_scale_factor_temporal)
         # The transformer pads the latent grid to its patch itself, as the pipeline relies on.
-        sizes = {name: request_size(name, getattr(request, name), native, spatial, rule=" (the VAE's spatial factor)")
-                 for name, native in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))}
+        sizes = {
+            name: request_size(name, getattr(request, name), native, spatial, rule=" (the VAE's spatial factor)")
+            for name, native in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))
+        }
         # None is an image, as the trainer sends --diffusion-output-num-frames 1 (the
         # pipeline's own default, 189 frames, is for its interactive use).
         frames = 1 if request.num_frames is None else request.num_frames
@@ -130,8 +132,7 @@ class Cosmos3Family(ModelFamily):
             got = (frames - 1) // temporal * temporal + 1
             raise RequestError(
                 "num_frames",
-                f"{frames}: a video has 1 + {temporal}k frames (the VAE compresses time {temporal}x; the pipeline "
-                f"would return {got})",
+                f"{frames}: a video has 1 + {temporal}k frames (the VAE compresses time {temporal}x; the pipeline would return {got})",
             )
         fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
@@ -161,7 +162,7 @@ class Cosmos3Family(ModelFamily):
         is the pipeline's ``""`` (with its inverse templates)."""
         import torch
 
-        from miles_core.engine.request import RequestError
+        from miles_core.api import RequestError
 
         cond_ids, uncond_ids = self.pipeline.tokenize_prompt(
             prompt,
@@ -349,7 +350,8 @@ class Cosmos3Family(ModelFamily):
         transformer.load_lora_adapter(str(directory), weight_name=LORA_WEIGHT_NAME, prefix=None)
         added = set(getattr(transformer, "peft_config", {}) or {}) - before
         loaded = [
-            name for name, module in transformer.named_modules()
+            name
+            for name, module in transformer.named_modules()
             if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and added & set(module.lora_A)
         ]
         if not loaded:

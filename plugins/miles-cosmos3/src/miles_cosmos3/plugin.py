@@ -6,7 +6,7 @@ transformers (``miles-core list-plugins`` reads it without loading model code).
 
 from __future__ import annotations
 
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 
 @hookimpl
@@ -21,6 +21,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
                 "generation; only the transformer's generation path is trained"
             ),
             checkpoint_patterns=("cosmos3", "cosmos-3"),
+            pipeline_classes=("Cosmos3OmniPipeline",),
             trainable_components=("transformer",),
             # The generation-path attention; to_q/to_k/to_v/to_out are the frozen understanding path.
             lora_target_modules=("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
-from miles_core.tiny.tokenizers import qwen2_tokenizer
+from miles_core.api import qwen2_tokenizer
 
 LATENT_CHANNELS = 16
 """Latent channels: the transformer's ``latent_channel`` equals the VAE's ``z_dim``."""
@@ -63,9 +63,7 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
         transformer = _transformer(vocab_size=len(tokenizer))
         vae = _vae()
     # The scheduler class the pipeline declares, in its flow-matching mode (sigmas from 1 to 0).
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
-    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
     pipe = Cosmos3OmniPipeline(
         transformer=transformer,
         text_tokenizer=tokenizer,

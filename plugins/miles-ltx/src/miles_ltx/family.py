@@ -18,11 +18,12 @@ methods that need them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from miles_core.family import (
+from miles_core.api import (
     Conditioning,
     GenerationParams,
     Latents,
@@ -39,7 +40,7 @@ from miles_core.family import (
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.api import RolloutRequest
 
 # LTX2Pipeline.__call__ defaults (height=512, width=768): hard-coded in the signature, not
 # read from any component config, so they hold for every LTX-2 checkpoint.
@@ -91,7 +92,11 @@ class LtxFamily(ModelFamily):
     """Negative prompt when CFG is on and the request gives none: the reference engine's
     default. The pipeline strips prompts, so it encodes exactly as diffusers' ``""``."""
     extra_keys: ClassVar[tuple[str, ...]] = (
-        _AUDIO_GUIDANCE_SCALE, _GUIDANCE_RESCALE, _AUDIO_GUIDANCE_RESCALE, _MAX_SEQUENCE_LENGTH, "flow_shift",
+        _AUDIO_GUIDANCE_SCALE,
+        _GUIDANCE_RESCALE,
+        _AUDIO_GUIDANCE_RESCALE,
+        _MAX_SEQUENCE_LENGTH,
+        "flow_shift",
     )
     """``extra_sampling_params`` this family reads (LTX2Pipeline's arguments of those
     names; ``audio_guidance_scale`` defaults to ``guidance_scale`` as the pipeline does
@@ -103,19 +108,19 @@ class LtxFamily(ModelFamily):
         return {"transformer": self.pipeline.transformer}
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        from miles_core.engine.request import FLOW_SHIFT, RequestError
+        from miles_core.api import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         multiple = math.lcm(_SIZE_MULTIPLE, pipe.vae_spatial_compression_ratio * pipe.transformer_spatial_patch_size)
-        sizes = {name: request_size(name, getattr(request, name), default, multiple)
-                 for name, default in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))}
+        sizes = {
+            name: request_size(name, getattr(request, name), default, multiple)
+            for name, default in (("height", _DEFAULT_HEIGHT), ("width", _DEFAULT_WIDTH))
+        }
         frames = _DEFAULT_NUM_FRAMES if request.num_frames is None else request.num_frames
         temporal = pipe.vae_temporal_compression_ratio
         patch_t = pipe.transformer_temporal_patch_size
         if (frames - 1) % temporal or ((frames - 1) // temporal + 1) % patch_t:
-            raise RequestError(
-                "num_frames", f"{frames} must be 1 + a multiple of {temporal} (the VAE's temporal compression)"
-            )
+            raise RequestError("num_frames", f"{frames} must be 1 + a multiple of {temporal} (the VAE's temporal compression)")
         fps = request_fps(request.fps, _DEFAULT_FPS)
         if request.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", "LTX-2 has no true CFG; use guidance_scale")
@@ -145,9 +150,7 @@ class LtxFamily(ModelFamily):
             flow_shift=request.flow_shift,
         )
         if self._geometry(params).audio_frames < 1:
-            raise RequestError(
-                "num_frames", f"{frames} frames at {fps:g} fps are too short for one audio latent frame"
-            )
+            raise RequestError("num_frames", f"{frames} frames at {fps:g} fps are too short for one audio latent frame")
         return params
 
     def _text_config(self) -> Mapping[str, Any]:
@@ -341,9 +344,7 @@ class LtxFamily(ModelFamily):
         }
 
     @staticmethod
-    def _guide(
-        x: torch.Tensor, out: torch.Tensor, sigma: torch.Tensor, scale: float, rescale: float, cfg: bool
-    ) -> torch.Tensor:
+    def _guide(x: torch.Tensor, out: torch.Tensor, sigma: torch.Tensor, scale: float, rescale: float, cfg: bool) -> torch.Tensor:
         """LTX2Pipeline's guidance on one stream, in x0 space: ``x0 = x0_c + (s - 1)(x0_c -
         x0_u)`` under CFG, optionally rescaled toward ``x0_c``'s std, then back to a
         velocity. Without CFG the pipeline still converts v -> x0 -> v (the identity up
@@ -368,8 +369,11 @@ class LtxFamily(ModelFamily):
         geo = self._geometry(params)
         x = pipe._unpack_latents(
             latents["latents"].to(self.device, torch.float32),
-            geo.latent_frames, geo.latent_height, geo.latent_width,
-            pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size,
+            geo.latent_frames,
+            geo.latent_height,
+            geo.latent_width,
+            pipe.transformer_spatial_patch_size,
+            pipe.transformer_temporal_patch_size,
         ).to(self.dtype)
         timestep = None
         if vae.config.timestep_conditioning:

@@ -6,7 +6,7 @@ the plugin never loads torch, diffusers or transformers.
 
 from __future__ import annotations
 
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 
 @hookimpl
@@ -18,6 +18,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             ref="miles_ltx.family:LtxFamily",
             description="LTX-2 / LTX-2.3 (diffusers LTX2Pipeline): video with an audio branch",
             checkpoint_patterns=("ltx",),
+            pipeline_classes=("LTX2Pipeline",),
             trainable_components=("transformer",),
             lora_target_modules=("to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"),
             # Reference LTX-2.3 recipe: 8 per group, single-output requests.
@@ -25,7 +26,9 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             rollout_microgroup_size=1,
             generation_options=("num_frames", "fps"),
             default_sde_type="cps",
-            # The reference trains LTX without classifier-free guidance.
+            # The reference trains LTX without classifier-free guidance, so rollouts sample
+            # without it unless --diffusion-guidance-scale says otherwise.
             supports_cfg_training=False,
+            default_guidance_scale=1.0,
         )
     ]

@@ -22,7 +22,7 @@ from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-from miles_core.tiny.tokenizers import gemma_tokenizer
+from miles_core.api import gemma_tokenizer
 
 TEXT_HIDDEN = 16
 """Gemma hidden size; also the connectors' width and the transformer's caption channels."""

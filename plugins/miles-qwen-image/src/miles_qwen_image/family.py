@@ -30,10 +30,11 @@ Import-light on purpose: torch and diffusers are imported inside methods.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from miles_core.family import (
+from miles_core.api import (
     Conditioning,
     GenerationParams,
     Latents,
@@ -50,7 +51,7 @@ from miles_core.family import (
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.api import RolloutRequest
 
 DEFAULT_SAMPLE_SIZE = 128
 """``QwenImagePipeline.default_sample_size``, hard-coded in its ``__init__`` (diffusers 0.42);
@@ -84,15 +85,17 @@ class QwenImageFamily(ModelFamily):
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
         import math
 
-        from miles_core.engine.request import FLOW_SHIFT, RequestError
+        from miles_core.api import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         native = pipe.default_sample_size * pipe.vae_scale_factor  # the pipeline's own default
         # QwenImagePipeline.check_inputs: the VAE factor times the 2x2 packing (it only warns
         # and rounds down; a request asking for a size it would not produce is refused).
         multiple = pipe.vae_scale_factor * 2
-        sizes = {name: request_size(name, getattr(request, name), native, multiple, rule=" (VAE factor x 2x2 packing)")
-                 for name in ("height", "width")}
+        sizes = {
+            name: request_size(name, getattr(request, name), native, multiple, rule=" (VAE factor x 2x2 packing)")
+            for name in ("height", "width")
+        }
         if request.num_frames not in (None, 1):
             raise RequestError("num_frames", f"Qwen-Image generates images (1 frame), got {request.num_frames}")
         true_cfg = request.true_cfg_scale
@@ -104,8 +107,7 @@ class QwenImageFamily(ModelFamily):
             # schedule would be NaN.
             raise RequestError(
                 "num_inference_steps",
-                f"must be at least 2: the scheduler's shift_terminal {scheduler.config.shift_terminal} "
-                "makes a 1-step schedule NaN",
+                f"must be at least 2: the scheduler's shift_terminal {scheduler.config.shift_terminal} makes a 1-step schedule NaN",
             )
         extra = request_extras(request, ("max_sequence_length", FLOW_SHIFT), family="Qwen-Image")
         check_flow_shift(scheduler, request.flow_shift)
@@ -179,10 +181,7 @@ class QwenImageFamily(ModelFamily):
         # One draw per output from its own CPU generator in the pipeline's unpacked layout
         # [1, 1, C, h, w] (randn_tensor with a generator list draws exactly this per row),
         # then packed into 2x2 tokens.
-        noise = [
-            pack(torch.randn((1, 1, channels, h, w), generator=g, dtype=torch.float32), 1, channels, h, w)
-            for g in generators
-        ]
+        noise = [pack(torch.randn((1, 1, channels, h, w), generator=g, dtype=torch.float32), 1, channels, h, w) for g in generators]
         return {"latents": torch.cat(noise).to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:
@@ -317,4 +316,3 @@ class QwenImageFamily(ModelFamily):
         downsample = vae.get("temperal_downsample", [False, True, True])
         side = DEFAULT_SAMPLE_SIZE * 2 ** len(downsample)
         return side, side
-

@@ -6,7 +6,7 @@ transformers, so plugin discovery stays cheap.
 
 from __future__ import annotations
 
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 LORA_TARGET_MODULES: tuple[str, ...] = (
     # joint attention: image stream, then text stream
@@ -36,6 +36,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             ref="miles_qwen_image.family:QwenImageFamily",
             description="Qwen-Image text-to-image (diffusers QwenImagePipeline, true CFG)",
             checkpoint_patterns=("qwen-image",),
+            pipeline_classes=("QwenImagePipeline",),
             trainable_components=("transformer",),
             lora_target_modules=LORA_TARGET_MODULES,
             n_samples_per_prompt=16,

@@ -17,7 +17,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from miles_core.tiny.tokenizers import qwen2_tokenizer
+from miles_core.api import qwen2_tokenizer
 
 Z_DIM = 4
 """Latent channels; the transformer sees 2x2-packed latents, so ``in_channels = 4 * Z_DIM``."""

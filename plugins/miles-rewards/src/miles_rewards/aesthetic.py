@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from miles_core.training.rewards import RewardError
+from miles_core.api import RewardError
 from miles_rewards.clip_models import (
     DTYPE,
     ClipFrameReward,
@@ -85,12 +85,10 @@ def read_head_weights(path: str | Path, flag: str = "--aesthetic-head-path") -> 
             f"{flag} {path}: holds pickled objects other than tensors; only plain state dicts are loaded "
             "(torch.load weights_only=True), never arbitrary objects"
         ) from exc
-    except Exception as exc:  # noqa: BLE001 - a missing, truncated or foreign file: say which flag
+    except Exception as exc:
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        raise RewardError(f"{flag} {path}: cannot read the head's weights ({lines[0] if lines else type(exc).__name__})"
-                          ) from exc
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
+        raise RewardError(f"{flag} {path}: cannot read the head's weights ({lines[0] if lines else type(exc).__name__})") from exc
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise RewardError(f"{flag} {path}: not a state dict of tensors (got {type(state).__name__})")
     return state
 
@@ -106,11 +104,14 @@ def load_head(path: str | None, device: torch.device, flag: str = "--aesthetic-h
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}"] if unexpected else [])
-        raise RewardError(f"{flag} {path}: not an aesthetic head with keys layers.{{0,2,4,6,7}}.{{weight,bias}} "
-                          f"({'; '.join(parts)})")
-    wrong = [f"{key} is {list(state[key].shape)}, expected {list(value.shape)}"
-             for key, value in expected.items() if state[key].shape != value.shape]
+            [f"unexpected {', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}"] if unexpected else []
+        )
+        raise RewardError(f"{flag} {path}: not an aesthetic head with keys layers.{{0,2,4,6,7}}.{{weight,bias}} ({'; '.join(parts)})")
+    wrong = [
+        f"{key} is {list(state[key].shape)}, expected {list(value.shape)}"
+        for key, value in expected.items()
+        if state[key].shape != value.shape
+    ]
     if wrong:
         raise RewardError(f"{flag} {path}: wrong shapes for the 768-1024-128-64-16-1 head ({'; '.join(wrong[:3])})")
     head.load_state_dict({key: value.to(DTYPE) for key, value in state.items()})

@@ -9,14 +9,15 @@ string), so torch and transformers stay out of ``miles-core list-plugins``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from miles_core.training.rewards import RewardError
+from miles_core.api import RewardError
 from miles_rewards.pixels import to_uint8_frames
 
 DTYPE = torch.float32
@@ -50,7 +51,7 @@ def load_clip_model(flag: str, path: str | None, reward: str, device: torch.devi
     source = _check_source(flag, path, reward)
     try:
         model = CLIPModel.from_pretrained(source, dtype=DTYPE)
-    except Exception as exc:  # noqa: BLE001 - any load failure is the user's path: say which one
+    except Exception as exc:
         raise RewardError(f"{flag} {path}: cannot load a CLIP model ({_first_line(exc)})") from exc
     return model.eval().requires_grad_(False).to(device)
 
@@ -66,13 +67,13 @@ def load_clip_processor(flag: str, path: str | None, reward: str, *, images_only
     loader = AutoImageProcessor if images_only else AutoProcessor
     try:
         processor = loader.from_pretrained(source, backend="pil")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         what = "an image processor" if images_only else "a CLIP processor"
         raise RewardError(f"{flag} {path}: cannot load {what} ({_first_line(exc)})") from exc
-    if not images_only and (getattr(processor, "tokenizer", None) is None
-                            or getattr(processor, "image_processor", None) is None):
-        raise RewardError(f"{flag} {path}: not a CLIP processor (it needs both a tokenizer and an image processor, "
-                          f"got {type(processor).__name__})")
+    if not images_only and (getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None):
+        raise RewardError(
+            f"{flag} {path}: not a CLIP processor (it needs both a tokenizer and an image processor, got {type(processor).__name__})"
+        )
     return processor
 
 
@@ -158,5 +159,4 @@ class ClipFrameReward:
 
 def on_device(inputs: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """A processor's output as a dict of tensors on ``device``, pixel values in float32."""
-    return {key: value.to(device=device, dtype=DTYPE) if key == "pixel_values" else value.to(device)
-            for key, value in dict(inputs).items()}
+    return {key: value.to(device=device, dtype=DTYPE) if key == "pixel_values" else value.to(device) for key, value in dict(inputs).items()}

@@ -2,14 +2,15 @@
 
 Not quality measures: simple pixel statistics that a policy can visibly push up within a
 few rollouts, even on a tiny model, which makes them useful for smoke-testing that a
-training setup learns at all (see the learnable-tiny notes). Computed on float pixels in
+training setup learns at all (the SD3 demo and ``tests/test_learning.py`` train on colourfulness). Computed on float pixels in
 ``[0, 1]`` (``uint8`` is divided by 255, floats are clamped to ``[0, 1]``). A video scores
 the mean over its frames.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +56,7 @@ class Colorfulness(_FrameReward):
     ``sqrt(std(rg)^2 + std(yb)^2) + 0.3 * sqrt(mean(rg)^2 + mean(yb)^2)`` (population std).
     The paper (2003) works on 0-255 values; the metric is homogeneous of degree 1 in the
     pixel scale, so its value is exactly 255 times this one. The ``[0, 1]`` scale is used so
-    the reward is of the same order as brightness and redness and matches the numbers in
-    the learnable-tiny notes (e.g. 0.26 -> 0.45). A gray image scores 0; a pure red one
+    the reward is of the same order as brightness and redness. A gray image scores 0; a pure red one
     ``0.3 * sqrt(1.25) ~ 0.335``.
     """
 

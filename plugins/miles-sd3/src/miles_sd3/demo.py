@@ -1,7 +1,7 @@
 """The demo variant of the tiny SD3 pipeline: a VAE whose latents mean something, and data.
 
 On the randomly initialised tiny pipeline of :mod:`miles_sd3.tiny` image rewards cannot
-move (the random decoder dominates every image; ``notes/learnable-tiny.md``). The demo
+move (the random decoder dominates every image). The demo
 variant keeps that pipeline but swaps in a small VAE trained, in seconds, against a fixed,
 hand-designed latent space, and writes a synthetic image dataset for the supervised
 flow-matching stage that follows:
@@ -73,7 +73,7 @@ COLOURS: dict[str, tuple[float, float, float]] = {
 
 _SHAPES = ("square", "circle")  # drawn as rectangles and ellipses of mild aspect ratio
 _COUNT_WORDS = ("one", "two", "three")  # "one" becomes "a" / "an" in prompts
-_COLOUR_JITTER = 0.04
+COLOUR_JITTER = 0.04
 
 
 def _prompt(colour: str, count: int = 0, shape: str = "") -> str:
@@ -98,7 +98,7 @@ EXPOSURE_RANGE = 0.4
 """Training exposure offsets are ``U(-EXPOSURE_RANGE, EXPOSURE_RANGE)`` in pixel units."""
 
 # Standardisation of the designed latents. Channels 0-2: mean and std of the 8x8 block
-# means of 4096 synthetic 64x64 images (seed 1234, see ``_measure_colour_stats``), rounded;
+# means of 4096 synthetic 64x64 images (seed 1234, see ``measure_colour_stats``), rounded;
 # channel 3: the exposure U(-0.4, 0.4) has mean 0 and std 0.4 / sqrt(3).
 LATENT_MEAN: tuple[float, float, float, float] = (0.552, 0.463, 0.420, 0.0)
 LATENT_STD: tuple[float, float, float, float] = (0.318, 0.275, 0.304, EXPOSURE_RANGE / 3**0.5)
@@ -118,7 +118,7 @@ def _subseed(*keys: int) -> int:
 
 def _jittered(rng: np.random.Generator, name: str) -> np.ndarray:
     base = np.asarray(COLOURS[name], dtype=np.float64)
-    return np.clip(base + rng.uniform(-_COLOUR_JITTER, _COLOUR_JITTER, 3), 0.0, 1.0)
+    return np.clip(base + rng.uniform(-COLOUR_JITTER, COLOUR_JITTER, 3), 0.0, 1.0)
 
 
 def synthetic_images(n: int, size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
@@ -170,7 +170,7 @@ def synthetic_images(n: int, size: int, seed: int) -> tuple[torch.Tensor, list[s
     return torch.from_numpy(images.astype(np.float32)), prompts
 
 
-def _measure_colour_stats(n: int = 4096, size: int = 64, seed: int = 1234) -> tuple[list[float], list[float]]:
+def measure_colour_stats(n: int = 4096, size: int = 64, seed: int = 1234) -> tuple[list[float], list[float]]:
     """Mean and std of each colour channel's 8x8 block means over a synthetic sample: how
     :data:`LATENT_MEAN` / :data:`LATENT_STD` (channels 0-2) were computed."""
     images, _ = synthetic_images(n, size, seed)
@@ -348,8 +348,7 @@ def build_demo_pipeline(out_dir: str | Path, *, seed: int = 0, sft_steps: int = 
 
     import torch
 
-    from miles_core.config.resolve import resolve_config
-    from miles_core.training.run import train
+    from miles_core.api import resolve_config, train
 
     out = Path(out_dir)
     threads = torch.get_num_threads()
@@ -357,23 +356,55 @@ def build_demo_pipeline(out_dir: str | Path, *, seed: int = 0, sft_steps: int = 
     try:
         build_demo(out, seed=seed)
         with tempfile.TemporaryDirectory(prefix="miles-demo-sft-") as work:
-            config = resolve_config([
-                "--hf-checkpoint", str(out), "--diffusion-model-family", "sd3", "--loss-type", "sft_loss",
-                "--prompt-data", str(out / "demo_data" / "sft.jsonl"), "--rollout-batch-size", "16",
-                "--num-rollout", str(sft_steps), "--micro-batch-size", "16", "--lr", "1e-3",
-                "--diffusion-num-steps", "10", "--diffusion-height", "64", "--diffusion-width", "64",
-                "--seed", str(seed), "--output-dir", str(Path(work) / "run"),
-            ])
+            config = resolve_config(
+                [
+                    "--hf-checkpoint",
+                    str(out),
+                    "--diffusion-model-family",
+                    "sd3",
+                    "--loss-type",
+                    "sft_loss",
+                    "--prompt-data",
+                    str(out / "demo_data" / "sft.jsonl"),
+                    "--rollout-batch-size",
+                    "16",
+                    "--num-rollout",
+                    str(sft_steps),
+                    "--micro-batch-size",
+                    "16",
+                    "--lr",
+                    "1e-3",
+                    "--diffusion-num-steps",
+                    "10",
+                    "--diffusion-height",
+                    "64",
+                    "--diffusion-width",
+                    "64",
+                    "--seed",
+                    str(seed),
+                    "--output-dir",
+                    str(Path(work) / "run"),
+                ]
+            )
             run_dir = asyncio.run(train(config, log=lambda line: None))
             losses = [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             shutil.rmtree(out / "transformer")
             shutil.copytree(run_dir / "model" / "transformer", out / "transformer")
     finally:
         torch.set_num_threads(threads)
-    (out / "demo_build.json").write_text(json.dumps({
-        "version": DEMO_VERSION, "seed": seed, "sft_steps": sft_steps,
-        "sft_loss_first": losses[0], "sft_loss_last_50_mean": sum(losses[-50:]) / len(losses[-50:]),
-    }, indent=2) + "\n")
+    (out / "demo_build.json").write_text(
+        json.dumps(
+            {
+                "version": DEMO_VERSION,
+                "seed": seed,
+                "sft_steps": sft_steps,
+                "sft_loss_first": losses[0],
+                "sft_loss_last_50_mean": sum(losses[-50:]) / len(losses[-50:]),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return out
 
 

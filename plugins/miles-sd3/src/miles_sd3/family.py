@@ -6,10 +6,11 @@ Import-light on purpose: the core resolves this class while validating a configu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from miles_core.family import (
+from miles_core.api import (
     Conditioning,
     GenerationParams,
     Latents,
@@ -27,7 +28,7 @@ from miles_core.family import (
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.api import RolloutRequest
 
 # Fallbacks mirror diffusers: SD3Transformer2DModel's default sample_size and
 # AutoencoderKL's default block_out_channels, used when a config omits the key.
@@ -53,7 +54,7 @@ class SD3Family(ModelFamily):
         return {"transformer": self.pipeline.transformer}
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        from miles_core.engine.request import FLOW_SHIFT, RequestError
+        from miles_core.api import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         native = pipe.default_sample_size * pipe.vae_scale_factor  # the pipeline's own default
@@ -62,8 +63,7 @@ class SD3Family(ModelFamily):
         # sizes would only fail inside the forward.
         max_embed = pipe.transformer.config.get("pos_embed_max_size")
         limit = None if max_embed is None else max_embed * multiple
-        sizes = {name: request_size(name, getattr(request, name), native, multiple, limit=limit)
-                 for name in ("height", "width")}
+        sizes = {name: request_size(name, getattr(request, name), native, multiple, limit=limit) for name in ("height", "width")}
         if request.num_frames not in (None, 1):
             raise RequestError("num_frames", f"SD3 generates images (1 frame), got {request.num_frames}")
         if request.true_cfg_scale is not None:
@@ -196,7 +196,7 @@ class SD3Family(ModelFamily):
 
     def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
         vae = self.pipeline.vae
-        x = (pixels.to(self.device, vae.dtype) * 2 - 1)  # VaeImageProcessor.preprocess: [0, 1] -> [-1, 1]
+        x = pixels.to(self.device, vae.dtype) * 2 - 1  # VaeImageProcessor.preprocess: [0, 1] -> [-1, 1]
         # The distribution's mean: SFT targets are data, not a random draw per epoch.
         z = vae.encode(x).latent_dist.mean
         z = (z - vae.config.shift_factor) * vae.config.scaling_factor  # the inverse of decode's first line

@@ -6,7 +6,7 @@ diffusers or transformers. The family class is referenced lazily by ``ref``.
 
 from __future__ import annotations
 
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 SD3_LORA_TARGETS: tuple[str, ...] = (
     "attn.to_q",
@@ -31,6 +31,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             ref="miles_sd3.family:SD3Family",
             description="Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline, MMDiT transformer)",
             checkpoint_patterns=("stable-diffusion-3", "sd3"),
+            pipeline_classes=("StableDiffusion3Pipeline",),
             trainable_components=("transformer",),
             lora_target_modules=SD3_LORA_TARGETS,
             n_samples_per_prompt=16,

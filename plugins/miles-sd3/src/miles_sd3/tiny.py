@@ -1,7 +1,7 @@
 """A tiny, randomly initialised StableDiffusion3Pipeline built offline.
 
-Real diffusers / transformers classes with tiny configurations (sizes measured in
-``notes/tiny-pipelines.md``) and locally trained tokenizers, so tests, the demo and
+Real diffusers / transformers classes with tiny configurations (docs/guide.md, "Tiny
+pipelines") and locally trained tokenizers, so tests, the demo and
 benchmarks go through the normal ``from_pretrained(DIR)`` path without a model hub.
 Heavy imports: only :meth:`miles_sd3.family.SD3Family.build_tiny_pipeline` pulls this in.
 
@@ -31,7 +31,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from miles_core.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+from miles_core.api import clip_tokenizer, t5_tokenizer
 
 CLIP_HIDDEN = 16
 CLIP_PROJECTION = 16
@@ -71,10 +71,23 @@ class Scale:
 
 SCALES: dict[str, Scale] = {
     "tiny": Scale(
-        clip_hidden=CLIP_HIDDEN, clip_intermediate=32, clip_projection=CLIP_PROJECTION, clip_heads=2,
-        t5_d_model=T5_D_MODEL, t5_d_kv=8, t5_d_ff=64, t5_heads=4,
-        latent_channels=LATENT_CHANNELS, sample_size=8, layers=2, heads=2, head_dim=8, pos_embed_max_size=16,
-        dual_attention_layers=(0,), vae_channels=(4, 4, 4, 4), vae_norm_groups=2,
+        clip_hidden=CLIP_HIDDEN,
+        clip_intermediate=32,
+        clip_projection=CLIP_PROJECTION,
+        clip_heads=2,
+        t5_d_model=T5_D_MODEL,
+        t5_d_kv=8,
+        t5_d_ff=64,
+        t5_heads=4,
+        latent_channels=LATENT_CHANNELS,
+        sample_size=8,
+        layers=2,
+        heads=2,
+        head_dim=8,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        vae_channels=(4, 4, 4, 4),
+        vae_norm_groups=2,
     ),
     # 8 MMDiT blocks of 4 heads x 64 (hidden 256, ~20M parameters; SD3.5's extra image
     # attention in the first half), 16 latent channels like the real SD3 VAE, 128x128
@@ -82,10 +95,23 @@ SCALES: dict[str, Scale] = {
     # forward of 8 samples on one CPU thread at SD3's 333 text tokens (77 CLIP + 256 T5):
     # too slow for a benchmark run of a few minutes.
     "bench": Scale(
-        clip_hidden=64, clip_intermediate=128, clip_projection=64, clip_heads=2,
-        t5_d_model=128, t5_d_kv=32, t5_d_ff=256, t5_heads=4,
-        latent_channels=16, sample_size=16, layers=8, heads=4, head_dim=64, pos_embed_max_size=32,
-        dual_attention_layers=tuple(range(4)), vae_channels=(32, 64, 128, 128), vae_norm_groups=32,
+        clip_hidden=64,
+        clip_intermediate=128,
+        clip_projection=64,
+        clip_heads=2,
+        t5_d_model=128,
+        t5_d_kv=32,
+        t5_d_ff=256,
+        t5_heads=4,
+        latent_channels=16,
+        sample_size=16,
+        layers=8,
+        heads=4,
+        head_dim=64,
+        pos_embed_max_size=32,
+        dual_attention_layers=tuple(range(4)),
+        vae_channels=(32, 64, 128, 128),
+        vae_norm_groups=32,
     ),
 }
 
@@ -208,4 +234,3 @@ def build(out_dir: str | Path, *, seed: int = 0, scale: str = "tiny") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     build_pipeline(seed=seed, scale=scale).save_pretrained(out, safe_serialization=True)
     return out
-

@@ -16,10 +16,11 @@ inside the methods that need them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from miles_core.family import (
+from miles_core.api import (
     Conditioning,
     GenerationParams,
     Latents,
@@ -38,7 +39,7 @@ from miles_core.family import (
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.engine.request import RolloutRequest
+    from miles_core.api import RolloutRequest
 
 # WanPipeline.__call__ defaults (diffusers 0.42): the size is fixed in the signature and
 # not read from any config, so it is the same for every checkpoint (tests pin it).
@@ -105,7 +106,7 @@ class Wan22Family(ModelFamily):
         return EXPERTS[0] if float(timestep) >= self.boundary_timestep else EXPERTS[1]
 
     def resolve_params(self, request: RolloutRequest) -> GenerationParams:
-        from miles_core.engine.request import FLOW_SHIFT, RequestError
+        from miles_core.api import FLOW_SHIFT, RequestError
 
         pipe = self.pipeline
         transformer = pipe.transformer
@@ -115,16 +116,22 @@ class Wan22Family(ModelFamily):
         # WanPipeline.check_inputs wants multiples of 16; patchification wants multiples of
         # the VAE factor x the patch (the pipeline would silently crop).
         sizes = {
-            name: request_size(name, getattr(request, name), native, math.lcm(16, spatial * patch),
-                               limit=None if rope is None else rope * spatial * patch,
-                               limit_rule=f" (rope_max_seq_len {rope})")
+            name: request_size(
+                name,
+                getattr(request, name),
+                native,
+                math.lcm(16, spatial * patch),
+                limit=None if rope is None else rope * spatial * patch,
+                limit_rule=f" (rope_max_seq_len {rope})",
+            )
             for name, native, patch in (("height", WAN_DEFAULT_HEIGHT, patch_h), ("width", WAN_DEFAULT_WIDTH, patch_w))
         }
         frames = WAN_DEFAULT_NUM_FRAMES if request.num_frames is None else request.num_frames
         if (frames - 1) % temporal:
             raise RequestError(
-                "num_frames", f"{frames}: Wan needs num_frames - 1 divisible by {temporal} (the VAE's temporal factor), "
-                f"e.g. {frames - (frames - 1) % temporal}"
+                "num_frames",
+                f"{frames}: Wan needs num_frames - 1 divisible by {temporal} (the VAE's temporal factor), "
+                f"e.g. {frames - (frames - 1) % temporal}",
             )
         if rope is not None and ((frames - 1) // temporal + 1) // transformer.config.patch_size[0] > rope:
             raise RequestError("num_frames", f"{frames} gives more latent frames than the transformer's rope_max_seq_len {rope}")
@@ -255,7 +262,12 @@ class Wan22Family(ModelFamily):
         return {"latents": out}
 
     def _expert_velocity(
-        self, expert: str, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, params: GenerationParams,
+        self,
+        expert: str,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: Conditioning,
+        params: GenerationParams,
     ) -> torch.Tensor:
         model = getattr(self.pipeline, expert)
         positive = cond.positive["encoder_hidden_states"].to(self.device, self.dtype)
@@ -345,7 +357,10 @@ class Wan22Family(ModelFamily):
             return self.pipeline.load_lora_weights(str(root))
         for name in found:
             self.pipeline.load_lora_weights(
-                str(root), weight_name=LORA_WEIGHT_NAME, subfolder=name, load_into_transformer_2=name == EXPERTS[1],
+                str(root),
+                weight_name=LORA_WEIGHT_NAME,
+                subfolder=name,
+                load_into_transformer_2=name == EXPERTS[1],
             )
         return None
 
@@ -362,7 +377,6 @@ class Wan22Family(ModelFamily):
     def native_size(cls, checkpoint: str | Path) -> tuple[int, int] | None:
         """``(480, 832)``: WanPipeline's hard-coded default, whatever the checkpoint."""
         return (WAN_DEFAULT_HEIGHT, WAN_DEFAULT_WIDTH)
-
 
 
 def _take_rows(cond: Conditioning, rows: torch.Tensor) -> Conditioning:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 FAMILY_NAME = "wan2_2"
 
@@ -33,6 +33,10 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
                 "boundary_ratio x num_train_timesteps"
             ),
             checkpoint_patterns=("wan2.2", "wan-2.2"),
+            # WanPipeline also runs Wan 2.1 and Wan 2.2 TI2V-5B (one transformer): the
+            # trainable components (both experts) and the check tell A14B apart.
+            pipeline_classes=("WanPipeline",),
+            checkpoint_check="miles_wan22.checkpoint:two_expert_wan",
             trainable_components=("transformer", "transformer_2"),
             lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
             n_samples_per_prompt=16,

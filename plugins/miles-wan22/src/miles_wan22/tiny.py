@@ -1,20 +1,21 @@
 """A tiny, randomly initialised two-expert Wan 2.2 pipeline (real diffusers classes).
 
 Heavy module (torch, diffusers, transformers): import it only when building.
-Sizes follow ``notes/tiny-pipelines.md``; the saved directory is well under 1 MB and
+Tiny configurations of the real classes (docs/guide.md, "Tiny pipelines"); the saved directory is well under 1 MB and
 loads with ``WanPipeline.from_pretrained(dir)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from miles_core.tiny.tokenizers import t5_tokenizer
+from miles_core.api import t5_tokenizer
 
 BOUNDARY_RATIO = 0.875
 """Wan 2.2 A14B: timesteps >= 0.875 x 1000 go to ``transformer``, the rest to ``transformer_2``."""

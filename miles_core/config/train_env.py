@@ -9,7 +9,8 @@ are converted with ``str``. Variables read when a library is imported (torch's
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def train_env_vars_errors(value: Any) -> list[str]:
@@ -22,9 +23,7 @@ def train_env_vars_errors(value: Any) -> list[str]:
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
             errors.append(f"--train-env-vars: {name!r} is not a valid environment variable name")
         elif isinstance(item, bool) or not isinstance(item, (str, int, float)):
-            errors.append(
-                f"--train-env-vars: the value of {name} must be a string or a number, got {type(item).__name__} {item!r}"
-            )
+            errors.append(f"--train-env-vars: the value of {name} must be a string or a number, got {type(item).__name__} {item!r}")
         elif "\0" in str(item):
             errors.append(f"--train-env-vars: the value of {name} holds a NUL character")
     return errors

@@ -1,4 +1,4 @@
-"""The ``/rollout/generate`` request and its per-output result (DESIGN section 5).
+"""The ``/rollout/generate`` request and its per-output result (docs/design.md, "The wire contract").
 
 Field names are sglang-diffusion's. :meth:`RolloutRequest.from_json` validates a JSON
 body field by field; a bad field raises :class:`RequestError` naming it, which the
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+
+from miles_core.errors import RequestError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -19,14 +22,11 @@ SDE_TYPES = ("sde", "cps", "ode")
 FLOW_SHIFT = "flow_shift"
 """The ``extra_sampling_params`` key of the schedule shift (``--diffusion-flow-shift``), as
 the reference sends it to sglang-diffusion."""
-
-
-class RequestError(ValueError):
-    """A request field that is missing, of the wrong type or out of range."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
+GENERATOR_DEVICE = "generator_device"
+"""sglang-diffusion's field for the device of the noise generators. Accepted (and not
+kept) so that its clients work unchanged, but only with the one value this engine
+follows: every output's noise is drawn by a CPU generator."""
+GENERATOR_DEVICES = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,18 @@ class RolloutRequest:
         if not isinstance(data, Mapping):
             raise RequestError("body", f"must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - {GENERATOR_DEVICE})
         if unknown:
             raise RequestError(unknown[0], "unknown field")
         if "prompt" not in data:
             raise RequestError("prompt", "is required")
-        values = {name: _check(name, data[name]) for name in data}
+        if GENERATOR_DEVICE in data and data[GENERATOR_DEVICE] not in GENERATOR_DEVICES:
+            raise RequestError(
+                GENERATOR_DEVICE,
+                f"{data[GENERATOR_DEVICE]!r} is not supported (supported: "
+                f"{', '.join(GENERATOR_DEVICES)}): every output's noise is drawn by a CPU generator seeded seed + i",
+            )
+        values = {name: _check(name, data[name]) for name in data if name != GENERATOR_DEVICE}
         request = cls(**values)
         request.validate()
         return request
@@ -94,7 +100,7 @@ class RolloutRequest:
             raise RequestError("rollout_noise_level", f"must be a finite number >= 0, got {self.rollout_noise_level}")
         if not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
             raise RequestError("guidance_scale", f"must be a finite number >= 0, got {self.guidance_scale}")
-        self.flow_shift  # reading the property checks the value
+        self.flow_shift  # noqa: B018 - reading the property checks the value
         steps = self.num_inference_steps
         for name, upper in (("rollout_sde_step_indices", steps - 1), ("rollout_return_step_indices", steps + 1)):
             indices = getattr(self, name)
@@ -154,12 +160,23 @@ class RolloutRequest:
 _INT_FIELDS = {"seed", "width", "height", "num_inference_steps", "num_outputs_per_prompt", "num_frames"}
 _FLOAT_FIELDS = {"guidance_scale", "true_cfg_scale", "fps", "rollout_noise_level"}
 _BOOL_FIELDS = {
-    "rollout", "rollout_log_prob_no_const", "rollout_debug_mode",
-    "rollout_return_denoising_env", "rollout_return_dit_trajectory",
+    "rollout",
+    "rollout_log_prob_no_const",
+    "rollout_debug_mode",
+    "rollout_return_denoising_env",
+    "rollout_return_dit_trajectory",
 }
 _STR_FIELDS = {"prompt", "negative_prompt", "rollout_sde_type", "request_id"}
-_NULLABLE = {"negative_prompt", "width", "height", "true_cfg_scale", "num_frames", "fps",
-             "rollout_sde_step_indices", "rollout_return_step_indices"}
+_NULLABLE = {
+    "negative_prompt",
+    "width",
+    "height",
+    "true_cfg_scale",
+    "num_frames",
+    "fps",
+    "rollout_sde_step_indices",
+    "rollout_return_step_indices",
+}
 
 
 def _check(name: str, value: Any) -> Any:

@@ -1,0 +1,48 @@
+"""Starting a training run from a configuration, Ray or not: the entry point above the
+run loop (:mod:`miles_core.training.run`) and the cluster (:mod:`miles_core.cluster`).
+
+With ``--use-ray`` the training ranks, the reward and the engine servers the run starts
+are Ray actors in one placement group, started here before the run and released when it
+ends; without it nothing imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from miles_core.config.model import Config
+from miles_core.training.loops import rolls_out
+from miles_core.training.run import loss_spec
+from miles_core.training.run import train as train_run
+from miles_core.training.run_engine import starts_fleet
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+async def train(config: Config, *, log: Callable[[str], None] = _stderr) -> Path:
+    """Run training; return the run directory."""
+    if not config.get("use_ray"):
+        return await train_run(config, log=log)
+    from miles_core.cluster.session import RaySession
+
+    generates = rolls_out(loss_spec(config)) and not (config.train_only or config.load_debug_rollout_data)
+    cluster = RaySession.start(
+        config,
+        engines=(config.rollout_num_engines or 0) if generates and starts_fleet(config) else 0,
+        reward_worker=generates,
+        log=log,
+    )
+    try:
+        return await train_run(config, log=log, cluster=cluster)
+    finally:
+        cluster.close()
+
+
+def run_sync(config: Config) -> Path:
+    """:func:`train` in a fresh event loop."""
+    return asyncio.run(train(config))

@@ -1,0 +1,58 @@
+"""What one training run holds while it runs: the record the loops, benches and tests
+share (built by :func:`miles_core.training.run.prepare_run`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_core.config.model import Config
+from miles_core.engine.base import RolloutEngine
+
+
+@dataclass
+class RunContext:
+    """A prepared run: everything is built and restored, nothing has run yet.
+
+    :func:`miles_core.training.loops.rollouts` yields its ``(metrics, samples)`` for each
+    rollout from :attr:`start` to :attr:`total`; :meth:`close` releases the engine and the
+    servers the run started.
+    """
+
+    config: Config
+    trainer: Any
+    """The :class:`~miles_core.training.trainer.Trainer` (or, under Ray, the mirror of its ranks)."""
+    loss_spec: Any
+    """The :class:`~miles_core.specs.LossSpec` of ``--loss-type``: what the run trains on."""
+    schedule: Any
+    """The learning-rate schedule (:mod:`~miles_core.training.lr_schedule`)."""
+    out: Path
+    """The run directory."""
+    start: int
+    """The first rollout to run (0, or the one after a restored checkpoint)."""
+    total: int
+    """Rollouts in the whole run."""
+    engine: RolloutEngine | None = None
+    """None when the run generates nothing (supervised rows, replayed rollouts)."""
+    data_source: Any = None
+    """Where prompts come from (RL runs), with ``batch(rollout_id)``."""
+    rows: list[Any] = field(default_factory=list)
+    """The supervised rows of an SFT run."""
+    resumed: bool = False
+    """Whether a checkpoint was restored."""
+    progress: Any = None
+    """Progress bars (:class:`~miles_core.training.metrics_logging.Progress`); None: none."""
+    scorer: Any = None
+    """The reward: None builds a :class:`~miles_core.training.rewards.RewardScorer` here."""
+    fleet: Any = None
+    """The engine servers this run started (``--rollout-num-engines``), stopped by :meth:`close`."""
+    log: Callable[[str], None] = print
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+        if self.fleet is not None:
+            await asyncio.to_thread(self.fleet.stop)
