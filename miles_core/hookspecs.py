@@ -2,7 +2,7 @@
 
 A plugin is a module registered under the entry-point group ``miles.plugins``. It
 implements any of these hooks as module-level functions decorated with
-:data:`miles_core.hookimpl`. Registration hooks return *records* (frozen spec
+:data:`miles_core.api.hookimpl`. Registration hooks return *records* (frozen spec
 dataclasses from :mod:`miles_core.specs`) and must have no side effects: the core calls
 them to build its registries without importing torch, diffusers or any model code.
 

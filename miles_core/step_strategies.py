@@ -109,6 +109,9 @@ class StepContext:
     """Rollout epoch index."""
     rollout_seed: int
     """``--rollout-seed``."""
+    rollout_id: int = 0
+    """The rollout the request belongs to (0 for a configuration check's dry run), so a
+    strategy can change its choice over training (a curriculum over steps)."""
 
 
 class StepStrategy(Protocol):
@@ -181,7 +184,7 @@ def ode_and_return_last(ctx: StepContext) -> StepSelection:
     return StepSelection.build((), ctx.num_steps)
 
 
-def select_steps(config_like: Any, *, seed: int, epoch: int, strategy: StepStrategy) -> StepSelection:
+def select_steps(config_like: Any, *, seed: int, epoch: int, strategy: StepStrategy, rollout_id: int = 0) -> StepSelection:
     """Run ``strategy`` on the context built from the step flags of ``config_like`` (a
     :class:`~miles_core.config.model.Config` or anything with the same attributes)."""
     window = config_like.diffusion_sde_window_range
@@ -194,5 +197,6 @@ def select_steps(config_like: Any, *, seed: int, epoch: int, strategy: StepStrat
         seed=int(seed),
         epoch=int(epoch),
         rollout_seed=int(config_like.rollout_seed),
+        rollout_id=int(rollout_id),
     )
     return strategy(ctx)

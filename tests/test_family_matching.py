@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from miles_core import ModelFamilySpec
+from miles_core.api import ModelFamilySpec
 from miles_core.config.model import Source
 from miles_core.config.resolve import resolve_config, training_errors
 from miles_core.errors import CheckpointError, ConfigError, FamilyMatchError
@@ -251,7 +251,7 @@ def test_loading_a_missing_directory_says_so(tmp_path: Path) -> None:
 # -- several families, or a family's check ------------------------------------------------------
 
 FAKE_FAMILY = """
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 @hookimpl
 def miles_register_model_families():

@@ -8,7 +8,7 @@ from miles_core.plugin_manager import PluginHost, PluginLoadWarning
 from tests.fake_dists import entry_points_in, make_dist
 
 GOOD = """
-from miles_core import RewardSpec, hookimpl
+from miles_core.api import RewardSpec, hookimpl
 
 @hookimpl
 def miles_register_rewards():
@@ -78,7 +78,7 @@ def test_strict_mode_from_environment(plugin_dir, monkeypatch):
     "source, error",
     [
         (
-            "from miles_core import hookimpl\n@hookimpl\ndef miles_register_rewards(config):\n    return []\n",
+            "from miles_core.api import hookimpl\n@hookimpl\ndef miles_register_rewards(config):\n    return []\n",
             r"invalid hook: .*miles_register_rewards.*config",
         ),
         (
@@ -88,7 +88,7 @@ def test_strict_mode_from_environment(plugin_dir, monkeypatch):
         ("def miles_register_rewards():\n    return ['shiny']\n", r"miles_register_rewards returned str, expected RewardSpec"),
         ("def miles_register_rewards():\n    return 42\n", r"miles_register_rewards must return a list, got int"),
         (
-            "from miles_core import LossSpec\ndef miles_register_rewards():\n    return [LossSpec(name='l', ref='a:b')]\n",
+            "from miles_core.api import LossSpec\ndef miles_register_rewards():\n    return [LossSpec(name='l', ref='a:b')]\n",
             r"returned LossSpec, expected RewardSpec",
         ),
         ("def miles_register_rewards():\n    raise KeyError('inside hook')\n", r"KeyError: 'inside hook'"),
@@ -173,7 +173,9 @@ def test_identical_reregistration_is_a_no_op(plugin_dir):
 
 
 def test_plugin_flag_colliding_with_core_fails_the_plugin(plugin_dir):
-    source = "from miles_core import Flag\ndef miles_add_arguments():\n    return [Flag(name='--lr', group='optimizer', type='float')]\n"
+    source = (
+        "from miles_core.api import Flag\ndef miles_add_arguments():\n    return [Flag(name='--lr', group='optimizer', type='float')]\n"
+    )
     make_dist(plugin_dir, "broken-plugin", "0.1", {"broken": source})
     with pytest.warns(PluginLoadWarning, match="flag --lr is already defined by miles-core"):
         host = host_for(plugin_dir)
@@ -181,7 +183,7 @@ def test_plugin_flag_colliding_with_core_fails_the_plugin(plugin_dir):
 
 
 def test_spec_records_validate_themselves():
-    from miles_core import ModelFamilySpec, RewardSpec
+    from miles_core.api import ModelFamilySpec, RewardSpec
 
     with pytest.raises(ValueError, match="must look like 'package.module:object'"):
         RewardSpec(name="x", ref="not a ref")

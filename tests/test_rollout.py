@@ -31,7 +31,7 @@ from miles_core.rollout.seeds import (
     group_seed_base,
     microgroups,
 )
-from miles_core.step_strategies import sde_window
+from miles_core.step_strategies import StepSelection, sde_window
 from miles_sd3.family import SD3Family
 
 torch.set_num_threads(1)
@@ -223,6 +223,24 @@ def test_requests_carry_the_settings(engine: EmbeddedEngine) -> None:
         sde = req.rollout_sde_step_indices
         assert len(sde) == 2 and sde[1] == sde[0] + 1 and sde[1] < STEPS - 1
         assert set(req.rollout_return_step_indices) == {*sde, *(k + 1 for k in sde), STEPS}
+
+
+def test_step_strategies_receive_the_rollout_id(engine: EmbeddedEngine) -> None:
+    """A strategy sees which rollout a request belongs to (a curriculum over training),
+    and only that: the same rollout id gives the same steps."""
+    seen: list[tuple[int, int]] = []
+
+    def by_rollout(ctx):
+        seen.append((ctx.rollout_id, ctx.seed))
+        k = ctx.rollout_id % (ctx.num_steps - 1)  # the SDE step walks down the schedule
+        return StepSelection.build(sde_steps=(k,), num_steps=ctx.num_steps)
+
+    for rollout_id in (1, 2):
+        wrapped = RecordingEngine(engine)
+        asyncio.run(generate_rollout(wrapped, settings(), rollout_id, PROMPTS, by_rollout))
+        assert {r.rollout_sde_step_indices for r in wrapped.requests} == {(rollout_id % (STEPS - 1),)}
+    # Without the rollout id every request would get step 0: both rollouts' steps differ from that.
+    assert {rollout_id for rollout_id, _ in seen} == {1, 2} and 0 not in {1 % (STEPS - 1), 2 % (STEPS - 1)}
 
 
 # -- seeds (pure) ---------------------------------------------------------------------------

@@ -199,9 +199,18 @@ def test_select_steps_reads_the_flags():
         seen.append(c)
         return ode_and_return_last(c)
 
-    assert select_steps(config, seed=123, epoch=4, strategy=spy) == StepSelection((), (8,))
+    assert select_steps(config, seed=123, epoch=4, strategy=spy, rollout_id=9) == StepSelection((), (8,))
     assert seen == [
-        StepContext(num_steps=8, num_sde_steps=2, window_range=(1, 6), candidate_steps=(2, 4, 6), seed=123, epoch=4, rollout_seed=5)
+        StepContext(
+            num_steps=8,
+            num_sde_steps=2,
+            window_range=(1, 6),
+            candidate_steps=(2, 4, 6),
+            seed=123,
+            epoch=4,
+            rollout_seed=5,
+            rollout_id=9,
+        )
     ]
 
 

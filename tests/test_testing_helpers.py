@@ -210,7 +210,7 @@ def test_tiny_pipeline_fixtures_build_once_and_check_the_class(tmp_path):
 
 
 FAKE_FAMILY_PLUGIN = """
-from miles_core import ModelFamilySpec, hookimpl
+from miles_core.api import ModelFamilySpec, hookimpl
 
 
 class Family:

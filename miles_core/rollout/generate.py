@@ -110,7 +110,7 @@ async def generate_rollout(
     groups: list[list[Sample | None]] = [[None] * settings.n_samples_per_prompt for _ in prompts]
 
     async def run(position: int, record: PromptRecord, microgroup: Microgroup) -> None:
-        selection = select_steps(settings, seed=microgroup.seed, epoch=epoch, strategy=strategy)
+        selection = select_steps(settings, seed=microgroup.seed, epoch=epoch, strategy=strategy, rollout_id=rollout_id)
         request = settings.request(record.prompt, microgroup, selection.sde_steps, selection.return_steps)
         async with limit:
             outputs = await generate(engine, request)

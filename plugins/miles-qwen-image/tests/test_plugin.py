@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from miles_core import ModelFamilySpec, testing
+from miles_core import testing
+from miles_core.api import ModelFamilySpec
 from miles_core.plugin_manager import PluginHost
 from miles_qwen_image import plugin
 from miles_qwen_image.family import QwenImageFamily

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_core import ModelFamilySpec, testing
+from miles_core import testing
+from miles_core.api import ModelFamilySpec
 from miles_core.family import ModelFamily
 from miles_core.plugin_manager import PluginHost
 from miles_sd3.family import SD3Family

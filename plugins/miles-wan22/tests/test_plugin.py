@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_core import ModelFamilySpec, testing
+from miles_core import testing
+from miles_core.api import ModelFamilySpec
 from miles_core.family import ModelFamily
 from miles_core.plugin_manager import PluginHost
 from miles_wan22 import plugin
