@@ -53,7 +53,12 @@ fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned: its CPU build lies on this machine's disk.
 "${pip[@]}" install --quiet -c constraints.txt torch==2.13.0
-editable=(-e ".[test,wandb,video,ray]")
-for plugin in "${PLUGINS[@]}"; do editable+=(-e "$plugin"); done
-"${pip[@]}" install --quiet -c constraints.txt "${editable[@]}"
+# First the seven distributions themselves, then their extras: the test extras name
+# miles-* distributions (the suites run the core on the SD3 family and miles-rewards),
+# which pip finds installed by then instead of looking for them on an index.
+plain=(-e .)
+extras=(-e ".[test,wandb,video,ray]")
+for plugin in "${PLUGINS[@]}"; do plain+=(-e "$plugin"); extras+=(-e "$plugin[test]"); done
+"${pip[@]}" install --quiet -c constraints.txt "${plain[@]}"
+"${pip[@]}" install --quiet -c constraints.txt "${extras[@]}"
 echo "$digest" > "$stamp"
