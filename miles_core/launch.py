@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from miles_core.config.model import Config
+from miles_core.plugin_manager import loss_spec
 from miles_core.training.loops import rolls_out
-from miles_core.training.run import loss_spec
 from miles_core.training.run import train as train_run
 from miles_core.training.run_engine import starts_fleet
 

@@ -30,6 +30,7 @@ from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.factory import sde_backend
 from miles_core.errors import EngineRequestError, RunError, RunFailedError
 from miles_core.model_loading import load_family
+from miles_core.plugin_manager import loss_spec
 from miles_core.specs import LossSpec
 from miles_core.training.loops import rollouts, rolls_out
 from miles_core.training.run_context import RunContext
@@ -45,13 +46,6 @@ EngineFactory = Callable[[Config], RolloutEngine]
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
-
-
-def loss_spec(config: Config) -> LossSpec:
-    """The spec of ``--loss-type``: what the run trains on."""
-    from miles_core.plugin_manager import get_host
-
-    return get_host().registries.loss.get(config.loss_type).spec
 
 
 def number_of_rollouts(config: Config, num_rows: int, spec: LossSpec | None = None) -> int:
