@@ -120,17 +120,20 @@ def miles_register_rollout_engines() -> list[RolloutEngineSpec]:
             name="embedded",
             ref="miles_core.engine.embedded:EmbeddedEngine",
             description="In-process engine over the family's diffusers pipeline (CPU or GPU)",
+            releases_memory=True,
         ),
         RolloutEngineSpec(
             name="http",
             ref="miles_core.engine.http:HttpEngine",
             description="Servers speaking POST /rollout/generate (miles-core serve-engine, sglang-diffusion)",
             remote=True,
+            releases_memory=True,
         ),
         RolloutEngineSpec(
             name="sglang",
             ref="miles_core.engine.sglang:SglangEngine",
             description="sglang-diffusion servers the run starts from --sglang-python's environment (--rollout-num-engines)",
             remote=True,
+            releases_memory=True,
         ),
     ]

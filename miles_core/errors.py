@@ -224,6 +224,11 @@ class EngineRequestError(MilesError, RuntimeError):
         super().__init__(f"{url}: {where}: {message}")
 
 
+class EngineReleasedError(MilesError, RuntimeError):
+    """An engine asked to generate, update or checksum its weights while its memory is
+    released (``--offload-rollout``); it must be resumed first."""
+
+
 class NoHealthyEngineError(MilesError, RuntimeError):
     """No engine became healthy in time (raised as the engine's request error)."""
 

@@ -127,6 +127,11 @@ class ModelFamily(abc.ABC):
         self.device = torch.device(device)
         self.dtype = dtype or torch.float32
         pipeline.to(self.device)
+        from miles_core.memory import own_storages
+
+        # Weights memory-mapped from safetensors files get storages of their own, so that
+        # offloading (which releases storages) never moves them: see own_storages.
+        own_storages(value for value in pipeline.components.values() if isinstance(value, torch.nn.Module))
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | Path, *, device: Any = "cpu", dtype: Any = None) -> ModelFamily:
@@ -183,6 +188,19 @@ class ModelFamily(abc.ABC):
         ``transformer_2`` below. Default: the first trainable component (families
         with a single denoiser need not override it)."""
         return next(iter(self.components()))
+
+    def context_parallel_plan(self, component: str, module: torch.nn.Module, degree: int) -> dict[str, Any] | None:
+        """How sequence parallelism (``--sequence-parallel-size`` = ``degree`` > 1) splits
+        and gathers the tokens of trainable ``component`` (``module``) in its forward: a
+        plan in diffusers' ``_cp_plan`` format (submodule name -> ``ContextParallelInput``
+        for each input or output to split, or ``ContextParallelOutput`` to gather), which
+        the trainer applies with diffusers' context-parallel hooks. Called once per
+        trained component on every rank, before sharding; a family may prepare the module
+        here (attention processors that dispatch through diffusers' attention backends, a
+        hook that pads a sequence to a multiple of ``degree``). Every attention processor
+        must then dispatch through ``diffusers.models.attention_dispatch``. Default: the
+        module's own ``_cp_plan``; None when it has none (sequence parallelism is refused)."""
+        return getattr(module, "_cp_plan", None)
 
     @abc.abstractmethod
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:

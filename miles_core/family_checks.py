@@ -334,7 +334,8 @@ def check_training_reaches_components(
     assert trainer.optimizer_steps >= 1, f"no optimizer step was taken: {metrics}"
 
     def grad_norm(names: Sequence[str]) -> float:
-        grads = [trainable[n].grad for n in names if trainable[n].grad is not None]
+        masters = trainer.named_masters()  # the gradients land on the master weights
+        grads = [masters[n].grad for n in names if masters[n].grad is not None]
         return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads))) if grads else 0.0
 
     def changed(names: Sequence[str]) -> bool:

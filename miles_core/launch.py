@@ -2,8 +2,9 @@
 run loop (:mod:`miles_core.training.run`) and the cluster (:mod:`miles_core.cluster`).
 
 With ``--use-ray`` the training ranks, the reward and the engine servers the run starts
-are Ray actors in one placement group, started here before the run and released when it
-ends; without it nothing imports Ray.
+(the embedded engine's among them) are Ray actors in one placement group, started here
+before the run and released when it ends; the driver keeps the run loop and loads no
+model. Without it nothing imports Ray.
 """
 
 from __future__ import annotations
@@ -12,31 +13,39 @@ import asyncio
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from miles_core.config.model import Config
 from miles_core.plugin_manager import loss_spec
 from miles_core.training.loops import rolls_out
 from miles_core.training.run import train as train_run
-from miles_core.training.run_engine import starts_fleet
+from miles_core.training.run_engine import started_servers
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def start_session(config: Config, *, log: Callable[[str], None] = _stderr) -> Any:
+    """The :class:`~miles_core.cluster.session.RaySession` a ``--use-ray`` run starts
+    before its run (placement for the engine servers it starts and its reward worker);
+    the caller closes it."""
+    from miles_core.cluster.session import RaySession
+
+    generates = rolls_out(loss_spec(config)) and not (config.train_only or config.load_debug_rollout_data)
+    return RaySession.start(
+        config,
+        engines=started_servers(config) if generates else 0,
+        reward_worker=generates,
+        log=log,
+    )
+
+
 async def train(config: Config, *, log: Callable[[str], None] = _stderr) -> Path:
     """Run training; return the run directory."""
     if not config.get("use_ray"):
         return await train_run(config, log=log)
-    from miles_core.cluster.session import RaySession
-
-    generates = rolls_out(loss_spec(config)) and not (config.train_only or config.load_debug_rollout_data)
-    cluster = RaySession.start(
-        config,
-        engines=(config.rollout_num_engines or 0) if generates and starts_fleet(config) else 0,
-        reward_worker=generates,
-        log=log,
-    )
+    cluster = start_session(config, log=log)
     try:
         return await train_run(config, log=log, cluster=cluster)
     finally:

@@ -92,6 +92,10 @@ class ModelFamilySpec(Spec):
     default_guidance_scale: float | None = None
     """``--diffusion-guidance-scale`` when the flag is unset; None keeps the flag's own
     default, or 1 (no guidance) for a family without :attr:`supports_cfg_training`."""
+    sequence_parallel_refusal: str | None = None
+    """Why the family's trained components cannot split one sample's tokens over ranks
+    (``--sequence-parallel-size`` > 1 is then a configuration error showing it); None
+    when they can (:meth:`miles_core.family.ModelFamily.context_parallel_plan`)."""
     generation_options: tuple[str, ...] = ()
     """Family-specific generation settings the family reads, among
     :data:`FAMILY_GENERATION_OPTIONS` (``num_frames``, ``fps`` for video,
@@ -223,6 +227,10 @@ class RolloutEngineSpec(Spec):
     kind: ClassVar[str] = "rollout_engine"
     remote: bool = False
     """True when the engine runs outside the trainer's process (weights cross a boundary)."""
+    releases_memory: bool = False
+    """True when the engine can release its memory while the trainer trains and resume it
+    (``--offload-rollout``, on under ``--offload`` and ``--colocate``); an engine that
+    cannot is refused with those flags."""
 
 
 SPEC_TYPES: dict[str, type[Spec]] = {

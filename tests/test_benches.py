@@ -1,8 +1,10 @@
 """Every benchmark under ``bench/`` runs one tiny round, so none can rot unnoticed (the
-numbers in docs/benchmarks.md come from the full runs; nothing here checks speed)."""
+numbers in docs/benchmarks.md come from the full runs; nothing here checks speed); the
+GPU lane (scripts/gpu_lane.sh) runs its CPU dry run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,12 +19,16 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "reward_streaming.py": ["--repeats", "1", "--prompts", "1", "--n", "2", "--microgroup", "2", "--steps", "4", "--cost-ms", "1"],
     "rollout.py": ["--steps", "2", "--repeats", "1", "--no-http"],
     "fleet.py": ["--repeats", "1", "--requests", "2", "--outputs", "1", "--steps", "2"],
+    "memory.py": ["--smoke"],
 }
 """One tiny round of each benchmark: the smallest arguments that still run every phase it measures."""
 
+LANE_SECTIONS = {"gpu_train.py": "train"}
+"""The GPU lane's sections under ``bench/``: their dry run is the lane's (below)."""
+
 
 def test_every_benchmark_has_a_smoke_run():
-    assert sorted(path.name for path in (ROOT / "bench").glob("*.py")) == sorted(SMOKE_ARGS)
+    assert sorted(path.name for path in (ROOT / "bench").glob("*.py")) == sorted([*SMOKE_ARGS, *LANE_SECTIONS])
 
 
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
@@ -34,3 +40,72 @@ def test_benchmark_runs_one_tiny_round(script, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # Each benchmark ends with ratios measured side by side in the same run.
     assert "x" in result.stdout and any("ratio" in line or " / " in line for line in result.stdout.splitlines())
+
+
+def _lane(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_lane.sh"), *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_gpu_lane_dry_run_runs_every_section(tmp_path):
+    """The lane's CPU dry run: every section at the tiny size, through the same cases as on
+    a GPU. A case whose feature this tree lacks may say so; none may break."""
+    result = _lane("--dry-run", env={"OUT": str(tmp_path), "TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(path.name for path in tmp_path.glob("*.json")) == sorted(f"{section}.json" for section in LANE_SECTIONS.values())
+    train = json.loads((tmp_path / "train.json").read_text(encoding="utf-8"))
+    assert train["dry_run"] is True and train["device"] == "CPU"
+    cases = {case["case"]: case for case in train["cases"]}
+    assert set(cases) == {
+        "baseline",
+        "--offload-train",
+        "--offload-rollout",
+        "--fsdp-cpu-offload",
+        "probe, micro-batches = microgroups",
+        "probe, flat micro-batches",
+        "ring attention, SP 2",
+    }
+    for case in cases.values():
+        assert case["status"] == "ok" or case["status"].startswith(("not available: ", "skipped: ")), case
+    assert cases["baseline"]["status"] == "ok"
+    assert cases["ring attention, SP 2"]["status"] == "skipped: no GPU (CPU dry run)"
+    # The probe whose micro-batches reproduce the engine's microgroups reruns the engine's
+    # forward (fp32, one thread): exactly no drift, ratio exactly 1.
+    aligned = cases["probe, micro-batches = microgroups"]
+    assert aligned["status"] == "ok"
+    assert aligned["drift"] == {
+        "log_prob_max_abs_diff": 0.0,
+        "log_prob_mean_abs_diff": 0.0,
+        "model_output_max_abs_diff": 0.0,
+        "model_output_mean_abs_diff": 0.0,
+        "first_ratio": 1.0,
+    }
+    # The per-phase audit the memory columns come from: the baseline trainer's optimizer
+    # state is resident while the engine generates; --offload-train (when this tree runs
+    # it) leaves none of its gradients or optimizer state there.
+    held = cases["baseline"]["resident_bytes"]["rollout"]
+    assert held["optimizer_state"] > 0 and held["parameters"] > 0
+    if cases["--offload-train"]["status"] == "ok":
+        offloaded = cases["--offload-train"]["resident_bytes"]["rollout"]
+        assert offloaded["gradients"] == 0 and offloaded["optimizer_state"] == 0
+        assert offloaded["parameters"] == held["parameters"]  # the embedded engine samples them
+    table = (tmp_path / "train.md").read_text(encoding="utf-8")
+    assert "| case | status | rollout s |" in table and "| alignment probe (fp32) |" in table
+
+
+def test_gpu_lane_names_its_sections_when_one_is_unknown():
+    result = _lane("--only", "bogus")
+    assert result.returncode == 2
+    assert result.stderr == "gpu_lane.sh: unknown section 'bogus'; the sections are: train\n"
+
+
+def test_gpu_lane_needs_the_wheels_folder(tmp_path):
+    result = _lane("--only", "train", env={"GPU_WHEELS": str(tmp_path / "none"), "OUT": str(tmp_path)})
+    assert result.returncode == 1
+    assert "has no wheels; run scripts/gpu_wheels.sh" in result.stderr

@@ -55,10 +55,7 @@ def test_audit_reports_an_unexercised_flag_and_a_misspelt_marker(tmp_path):
     invented = Flag(name="--invented-knob", group="general", type="int", default=1, help="x")
     assert audit_flags([lr], exercised) == []
     problems = audit_flags([lr, invented], exercised)
-    assert problems == [
-        "--invented-knob: no test is marked @pytest.mark.exercises('--invented-knob'), and the flag is "
-        "neither hardware-only nor unavailable"
-    ]
+    assert problems == ["--invented-knob: no test is marked @pytest.mark.exercises('--invented-knob'), and the flag is not unavailable"]
     suite = tmp_path / "test_typo.py"
     suite.write_text(
         "import pytest\nFLAGS = ['--lr']\n\n@pytest.mark.exercises('--lrr')\ndef test_a():\n    pass\n\n"
@@ -68,8 +65,11 @@ def test_audit_reports_an_unexercised_flag_and_a_misspelt_marker(tmp_path):
     assert found == {"--lrr": ["test_typo.py::test_a"]}
     assert errors == ["test_typo.py::test_b (line 8): exercises() takes literal '--flag' strings"]
     assert audit_flags([], found) == ["--lrr: marked as exercised by test_typo.py::test_a but no such flag exists"]
-    # Hardware-only and unavailable flags need no marker; everything else does.
-    assert audit_flags([Flag(name="--gpu-knob", group="cluster", hardware="does things.")], {}) == []
+    # Unavailable flags need no marker; everything else does, hardware-only flags included.
+    assert audit_flags([Flag(name="--gpu-knob", group="cluster", hardware="does things.")], {}) == [
+        "--gpu-knob: no test is marked @pytest.mark.exercises('--gpu-knob'), and the flag is not unavailable"
+    ]
+    assert audit_flags([Flag(name="--gpu-knob", group="cluster", hardware="does things.")], {"--gpu-knob": ["t"]}) == []
     assert audit_flags([Flag(name="--later-knob", group="cluster", unavailable="not yet")], {}) == []
 
 
@@ -99,6 +99,8 @@ COMPANIONS = {
     "--colocate-reward": ["--colocate"],
     "--dp-replicate-size": ["--actor-num-gpus-per-node", "2"],
     "--sequence-parallel-size": ["--actor-num-gpus-per-node", "2"],
+    "--ulysses-degree": ["--actor-num-gpus-per-node", "2", "--sequence-parallel-size", "2"],  # the Ulysses share of SP
+    "--fsdp-cpu-offload": ["--actor-num-gpus-per-node", "2"],  # one process has no FSDP2 shards (an error)
 }
 
 
@@ -108,7 +110,9 @@ def test_hardware_only_flag_logs_what_it_would_do(flag, monkeypatch):
     config = resolve_config([*BASE, *COMPANIONS.get(flag.name, []), *_away_from_default(flag)])
     notes = [n for n in config.notes if n.startswith(flag.name)]
     assert len(notes) == 1
-    assert flag.hardware in notes[0] and notes[0].endswith("so it has no effect")
+    # --colocate's turns (--offload-train, --offload-rollout) take effect everywhere; only its placement needs Ray.
+    effect = "so it places nothing (the turns it turns on still take effect)" if flag.name == "--colocate" else "so it has no effect"
+    assert flag.hardware in notes[0] and notes[0].endswith(effect)
     assert "without GPUs" in notes[0]
     # Left at its default: no note.
     assert not [n for n in resolve_config(BASE).notes if n.startswith(flag.name)]
@@ -239,13 +243,8 @@ def test_settings_without_their_feature_are_noted(tmp_path):
         "--eval-prompt-data, --skip-eval-before-train: no evaluation runs without --eval-interval, so they have no effect"
     ]
     assert resolve_config([*BASE, "--eval-prompt-data", "held", str(data), "--eval-interval", "1"]).notes == []
-    bf16 = resolve_config([*BASE, "--diffusion-forward-dtype", "bf16"])
-    assert bf16.notes == [
-        "--diffusion-forward-dtype bf16: the trained parameters and the optimizer state are in that dtype too in a "
-        "one-rank run (fp32 master weights, --fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with "
-        "world size > 1)"
-    ]
-    # With several ranks the master weights are kept in --fsdp-master-dtype: nothing to note.
+    # A bf16 forward keeps --fsdp-master-dtype master weights at every world size: nothing to note.
+    assert resolve_config([*BASE, "--diffusion-forward-dtype", "bf16"]).notes == []
     assert resolve_config([*BASE, "--diffusion-forward-dtype", "bf16", "--use-ray", "--actor-num-gpus-per-node", "2"]).notes == []
 
 

@@ -205,6 +205,7 @@ def companions(flag_name: str, prompts, tmp_path) -> list[str]:
         "--lora-rank": ["--use-lora"],
         "--lora-alpha": ["--use-lora"],
         "--save-interval": ["--save", str(tmp_path / "save")],
+        "--save-keep-last": ["--save", str(tmp_path / "save")],
         "--ckpt-step": ["--load", str(tmp_path / "load")],
         "--load-debug-rollout-data-subsample": ["--load-debug-rollout-data", "replay/{}.msgpack"],
     }.get(flag_name, [])

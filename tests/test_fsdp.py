@@ -56,11 +56,13 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "reduce_bf16": (*LORA, "--fsdp-reduce-dtype", "bf16"),
     "master_bf16": (*LORA, "--fsdp-master-dtype", "bf16"),
     "forward_bf16": (*LORA, "--diffusion-forward-dtype", "bf16"),
+    "cpu_offload": (*LORA, "--fsdp-cpu-offload"),
     "full": ("--num-steps-per-rollout", "2", "--lr", "1e-4"),
     "nft": NFT,
     "unequal": NFT,
     "checkpoint": (*LORA, "--use-ema", "--ema-rollout-policy", "ema"),
     "sft": ("--loss-type", "sft_loss", "--use-lora", "--lora-rank", "4"),
+    "sharded": ("--num-steps-per-rollout", "2", "--lr", "1e-4", "--use-ema", "--ema-rollout-policy", "ema"),
 }
 """Two-rank scenario -> its flags (besides BASE and TWO)."""
 
@@ -167,6 +169,9 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
     }
     result["frozen_dtypes"] = {p.to_local().dtype for p in module.parameters() if not p.requires_grad}
     result["blocks_sharded"] = sum(1 for block in module.transformer_blocks if hasattr(block, "_get_fsdp_state"))
+    sharded = [module, *(block for block in module.transformer_blocks if hasattr(block, "_get_fsdp_state"))]
+    fsdp_params = [p for m in sharded for group in [m._get_fsdp_state()._fsdp_param_group] if group for p in group.fsdp_params]
+    result["offload"] = {(p.offload_to_cpu, p.pin_memory, p.sharded_param.device.type) for p in fsdp_params}
     if name == "sft":
         from miles_core.training.sft import SftRow, sft_params
 
@@ -182,6 +187,8 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
             result["error"] = str(exc)
         dist.barrier()  # the group still works: nothing hangs after the error
         return result
+    if name == "sharded":
+        return _sharded_scenario(rank, trainer, samples, advantages, out / "sharded", result)
     if name == "checkpoint":
         fsdp.restore_rank_rng(None, rank=rank, world_size=2, seed=config.seed)  # each rank its own stream
         result["metrics"] = [trainer.train_rollout(samples, advantages)]
@@ -218,6 +225,59 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
             for key, value in entry.items()
             if fsdp.is_sharded(value)
         }
+    return result
+
+
+def _sharded_scenario(
+    rank: int, trainer: Any, samples: list, advantages: torch.Tensor, root: Path, result: dict[str, Any]
+) -> dict[str, Any]:
+    """Full fine-tuning with an EMA: a sharded save (rank 0 plays the driver, the ranks
+    write through the Ray actor's methods), a second save whose temporary directory is
+    written by both ranks and never published (a save killed mid-write), the next rollout
+    trained on, then the checkpoint read back into the shards and the same rollout trained
+    again."""
+    import torch.distributed as dist
+
+    from miles_core.cluster.train_ranks import TrainRank
+    from miles_core.training import fsdp
+    from miles_core.training.checkpoint import capture_rng, load_checkpoint, new_temporary
+    from miles_core.training.sharded_checkpoint import SHARD_DIR, ShardedPart, save_sharded_checkpoint, write_shards
+
+    actor = TrainRank(trainer.config, rank, 2)  # its methods, called here without Ray
+    actor.trainer = trainer
+
+    def state() -> dict[str, Any]:  # gathered here only to compare; the checkpoint never gathers
+        return {**full_state(trainer), "ema": trainer.ema.state_dict()}
+
+    def write(directory: Path) -> Any:
+        fsdp.all_gather_object(str(directory))  # the driver tells the ranks where
+        return ShardedPart.from_record(actor.save_sharded(str(directory), True), directory)
+
+    result["metrics"] = [trainer.train_rollout(samples, advantages)]
+    result["saved"] = state()
+    if rank == 0:
+        save_sharded_checkpoint(root, 0, write, rng_state=capture_rng(), extra={"optimizer_steps": trainer.optimizer_steps})
+    else:
+        actor.save_sharded(fsdp.all_gather_object(None)[0], True)
+    unpublished = new_temporary(root, 1) if rank == 0 else None
+    write_shards(trainer, Path(fsdp.all_gather_object(unpublished)[0]) / SHARD_DIR)
+    dist.barrier()
+
+    result["metrics"].append(trainer.train_rollout(samples, -advantages))
+    result["uninterrupted"] = state()
+    with torch.no_grad():  # spoil everything, then read it back
+        for parameter in trainer.parameters:
+            parameter.add_(0.5)
+        for shadow in trainer.ema.shadow.values():
+            shadow.add_(0.5)
+        for entry in trainer.optimizer.state.values():
+            entry["exp_avg"].zero_()
+    ckpt = load_checkpoint(root)
+    actor.load_sharded(str(ckpt.path / SHARD_DIR), ckpt.sharded, True)
+    trainer.optimizer_steps = ckpt.extra["optimizer_steps"]
+    result["reloaded"] = state()
+    result["metrics"].append(trainer.train_rollout(samples, -advantages))
+    result["resumed"] = state()
     return result
 
 
@@ -523,3 +583,246 @@ def test_sft_trains_on_two_ranks(two_ranks):
     assert first == second
     assert math.isfinite(first["train/loss"]) and first["train/loss"] > 0
     assert all(result["moved"] > 0 for result in results)
+
+
+# -- sharded checkpoints (full fine-tuning) -------------------------------------------------------------
+
+
+def _weights_and_optimizer(state: dict[str, Any]) -> dict[str, Any]:
+    return {"weights": state["weights"], "optimizer": state["optimizer"], "shadow": state["ema"]["shadow"]}
+
+
+@pytest.mark.exercises("--actor-num-nodes", "--use-ema")
+def test_a_sharded_checkpoint_reloads_at_two_ranks_and_continues_exactly(two_ranks):
+    results = two_ranks["sharded"]
+    check_ranks_ran(results)
+    for result in results:
+        # Read back into the spoiled shards: the saved state bit for bit, and the same
+        # rollout trained from it gives the uninterrupted run's weights, optimizer and EMA
+        # bit for bit (same shards, same computation).
+        assert max_difference(result["reloaded"], result["saved"]) == 0.0
+        assert max_difference(result["resumed"], result["uninterrupted"]) == 0.0
+        assert result["metrics"][2] == result["metrics"][1]
+        # Control: that rollout moved every part far beyond 0.
+        moved = max_difference(_weights_and_optimizer(result["uninterrupted"]), _weights_and_optimizer(result["saved"]))
+        assert moved > 1e-5
+
+
+def test_each_rank_writes_only_its_own_shards(two_ranks):
+    from miles_core.training.checkpoint import load_checkpoint
+    from miles_core.training.sharded_checkpoint import SHARD_DIR, read_metadata
+
+    results = two_ranks["sharded"]
+    check_ranks_ran(results)
+    ckpt = load_checkpoint(two_ranks["out"] / "sharded")
+    assert ckpt.model_state == {} and ckpt.optimizer_state is None and ckpt.sharded["world_size"] == 2
+    assert sorted(p.name for p in ckpt.path.iterdir()) == ["dcp", "meta.json", "rng.json", "rng.safetensors"]
+    metadata = read_metadata(ckpt.path / SHARD_DIR)
+    stored: dict[tuple[str, str], int] = {}  # (file, model/optim/ema) -> elements
+    for index, info in metadata.storage_data.items():
+        kind = index.fqn.split(".", 1)[0]
+        chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+        stored[info.relative_path, kind] = stored.get((info.relative_path, kind), 0) + math.prod(chunk.sizes)
+    full = sum(math.prod(shape) for _, _, shape, _ in results[0]["local"].values())
+    steps = []
+    for rank, result in enumerate(results):
+        local = sum(math.prod(shape) for _, shape, _, _ in result["local"].values())
+        assert 0 < local < full
+        # Rank r's file holds exactly its shard of the weights, of each Adam moment and of
+        # the EMA: nothing of the other rank's and nothing gathered.
+        assert stored[f"__{rank}_0.distcp", "model"] == local
+        assert stored[f"__{rank}_0.distcp", "ema"] == local
+        steps.append(stored[f"__{rank}_0.distcp", "optim"] - 2 * local)  # exp_avg, exp_avg_sq and scalar steps
+    assert min(steps) >= 0 and sum(steps) == len(results[0]["local"])  # one step per parameter, stored once
+    assert {path for path, _ in stored} == {"__0_0.distcp", "__1_0.distcp"}
+
+
+@pytest.mark.exercises("--load")
+def test_a_sharded_checkpoint_resumes_in_one_process(two_ranks, tiny_sd3, rollout):
+    from miles_core.training.checkpoint import available_iterations, latest_iteration
+    from miles_core.training.run_state import restore_run_state
+
+    results = two_ranks["sharded"]
+    check_ranks_ran(results)
+    root = two_ranks["out"] / "sharded"
+    # The second save was written by both ranks and never published (killed mid-write):
+    # it is there, and never loaded.
+    (unpublished,) = root.glob(".iter_0000001.tmp-*")
+    assert {p.name for p in (unpublished / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert latest_iteration(root) == 0 and available_iterations(root) == [0]
+
+    samples, advantages = removing(rollout, POLICY_ROLLOUT)
+
+    def resume(nudge: float = 0.0) -> dict[str, Any]:
+        config = make_config(tiny_sd3, *SCENARIOS["sharded"], "--load", str(root), "--no-load-rng")
+        trainer = make_trainer(tiny_sd3, config)
+        assert trainer.mesh is None and restore_run_state(config, trainer) == 1
+        loaded = copy.deepcopy({**full_state(trainer), "ema": trainer.ema.state_dict()})  # training goes on in place
+        with torch.no_grad():
+            trainer.parameters[0].view(-1)[0] += nudge
+        trainer.train_rollout(samples, -advantages)
+        return {"loaded": loaded, "final": {**full_state(trainer), "ema": trainer.ema.state_dict()}}
+
+    one = resume()
+    saved = results[0]["saved"]
+    assert max_difference(one["loaded"], saved) == 0.0  # resharded into plain tensors, bit for bit
+    # The next rollout's weights, Adam moments and EMA: within the full fine-tuning
+    # tolerance of test_full_fine_tuning_on_two_ranks_equals_one_process (two ranks sum
+    # in another order); measured here 1.5e-8 (weights and EMA), 4.4e-10 (Adam moments).
+    for result in results:
+        assert max_difference(one["final"], result["uninterrupted"]) <= 2e-5
+    # Control: one weight nudged by 1e-3 before the step is seen.
+    nudged = resume(1e-3)
+    assert max_difference(nudged["final"], results[0]["uninterrupted"]) > 1e-4
+
+
+@pytest.mark.exercises("--fsdp-master-dtype", "--diffusion-forward-dtype")
+def test_a_sharded_checkpoint_loads_into_one_process_master_weights(two_ranks, tiny_sd3):
+    from miles_core.training.run_state import restore_run_state
+
+    check_ranks_ran(two_ranks["sharded"])
+    saved = two_ranks["sharded"][0]["saved"]
+    root = two_ranks["out"] / "sharded"
+    config = make_config(tiny_sd3, *SCENARIOS["sharded"], "--diffusion-forward-dtype", "bf16", "--load", str(root), "--no-load-rng")
+    trainer = make_trainer(tiny_sd3, config)
+    assert restore_run_state(config, trainer) == 1
+    # The fp32 master copies take the saved master weights bit for bit, the bf16
+    # parameters their rounding; Adam's moments and the EMA are the masters'.
+    assert max_difference(trainer.trainable_state(), saved["weights"]) == 0.0
+    assert max_difference(trainer.optimizer_state(), saved["optimizer"]) == 0.0
+    assert max_difference(trainer.ema.state_dict(), saved["ema"]) == 0.0
+    params = {k: p.detach() for k, p in trainer.modules["transformer"].named_parameters() if p.requires_grad}
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert all(torch.equal(params[k], v.to(torch.bfloat16)) for k, v in saved["weights"]["transformer"].items())
+
+
+def test_a_corrupt_or_partial_sharded_checkpoint_is_one_line(two_ranks, tiny_sd3, tmp_path):
+    import shutil
+
+    from miles_core.errors import RunError
+    from miles_core.training.run_state import restore_run_state
+
+    config = make_config(tiny_sd3, *SCENARIOS["sharded"], "--load", str(tmp_path / "ckpt"))
+    trainer = make_trainer(tiny_sd3, config)
+    shard = tmp_path / "ckpt" / "iter_0000000" / "dcp" / "__1_0.distcp"
+
+    def fresh() -> None:
+        shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+        shutil.copytree(two_ranks["out"] / "sharded", tmp_path / "ckpt")
+
+    fresh()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(RunError) as info:
+        restore_run_state(config, trainer)
+    assert str(info.value) == f"--load {shard.parents[1]}: {shard}: sha256 differs from meta.json's manifest (corrupt shard)"
+
+    fresh()
+    (shard.parent / ".metadata").unlink()
+    with pytest.raises(RunError) as info:
+        restore_run_state(config, trainer)
+    assert str(info.value) == (
+        f"--load {tmp_path / 'ckpt'}: {tmp_path / 'ckpt' / 'latest_checkpointed_iteration.txt'} names iteration 0, but "
+        f"{shard.parent / '.metadata'}: missing from the checkpoint (no complete checkpoint there)"
+    )
+
+
+# -- FSDP2 CPU offload, master weights ----------------------------------------------------------------
+
+
+@pytest.mark.exercises("--fsdp-cpu-offload")
+def test_fsdp_cpu_offload_trains_exactly_as_without_it(two_ranks):
+    results = two_ranks["cpu_offload"]
+    check_ranks_ran(results)
+    for result, plain in zip(results, two_ranks["lora"]):
+        # FSDP2's own CPUOffloadPolicy on every sharded parameter (pinned only where CUDA is).
+        assert result["offload"] == {(True, torch.cuda.is_available(), "cpu")}
+        assert plain["offload"] == {(False, False, "cpu")}  # control: the plain run offloads nothing
+        # On a CPU mesh the offloaded shards, gradients and Adam state are the same CPU
+        # tensors and the same arithmetic runs on them (only FSDP2's copies differ): bit for bit.
+        assert result["metrics"] == plain["metrics"]
+        assert max_difference(result["final"], plain["final"]) == 0.0
+
+
+@pytest.mark.exercises("--fsdp-master-dtype", "--diffusion-forward-dtype")
+def test_one_process_keeps_fp32_masters_of_a_bf16_model_as_the_fsdp_ranks_do(two_ranks, one_rank):
+    """A bf16 model with fp32 master weights (the GPU default) trains in one process as
+    on two FSDP2 ranks: the same bf16 forwards (FSDP2 does not cast the inputs, so the
+    timestep stays fp32 in both), the bf16 gradients summed into fp32 (over micro-batches
+    here, over micro-batches and ranks there), the same fp32 Adam steps. Tolerance:
+    ``ATOL``, the summation order."""
+    check_ranks_ran(two_ranks["forward_bf16"])
+    ours = one_rank("forward_bf16", *SCENARIOS["forward_bf16"])
+    assert {t.dtype for t in ours["final"]["weights"]["transformer"].values()} == {torch.float32}  # the masters
+    for result in two_ranks["forward_bf16"]:
+        assert_close_metrics(result["metrics"][0], ours["metrics"])
+        assert max_difference(result["final"], ours["final"]) <= ATOL
+    # Control: bf16 master weights in the one process round Adam's steps away.
+    rounded = one_rank("forward_bf16_master_bf16", *SCENARIOS["forward_bf16"], "--fsdp-master-dtype", "bf16")
+    as_fp32 = {"transformer": {k: t.float() for k, t in rounded["final"]["weights"]["transformer"].items()}}
+    assert max_difference(as_fp32, ours["final"]["weights"]) > 100 * ATOL
+
+
+SD35 = ("--hf-checkpoint", "stabilityai/stable-diffusion-3.5-medium", "--rollout-batch-size", "2")
+RAY_TWO = ("--use-ray", "--actor-num-nodes", "2")
+
+
+def config_errors(*argv: str) -> list[str]:
+    from miles_core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        resolve_config([*SD35, *argv])
+    return caught.value.messages
+
+
+@pytest.mark.exercises("--fsdp-cpu-offload", "--fsdp-cpu-backend", "--distributed-backend")
+def test_fsdp_cpu_offload_configuration():
+    assert config_errors("--fsdp-cpu-offload") == [
+        "--fsdp-cpu-offload offloads the FSDP2 shards of a world size above 1 (--actor-num-nodes x --actor-num-gpus-per-node); "
+        "a one-process trainer has none: use --offload-train to move its weights, gradients and optimizer state off the GPU "
+        "while the engine generates"
+    ]
+    assert config_errors(*RAY_TWO, "--fsdp-cpu-offload", "--fsdp-cpu-backend", "nccl") == [
+        "--fsdp-cpu-backend nccl: must be one of gloo, mpi, ucc (a backend for CPU tensors)"
+    ]
+    assert config_errors(*RAY_TWO, "--fsdp-cpu-offload", "--distributed-backend", "gloo", "--fsdp-cpu-backend", "mpi") == [
+        "--fsdp-cpu-backend mpi with --distributed-backend gloo: a gloo group runs the CPU collectives itself; use --fsdp-cpu-backend gloo"
+    ]
+    offload = resolve_config([*SD35, *RAY_TWO, "--fsdp-cpu-offload", "--distributed-backend", "nccl", "--fsdp-cpu-backend", "mpi"])
+    assert offload.notes == []
+    assert resolve_config([*SD35, *RAY_TWO, "--fsdp-cpu-backend", "gloo"]).notes == [
+        "--fsdp-cpu-backend gloo has no effect without --fsdp-cpu-offload"
+    ]
+
+
+@pytest.mark.exercises("--fsdp-cpu-offload", "--fsdp-cpu-backend")
+def test_the_cpu_backend_serves_the_cpu_tensors_of_an_nccl_group(monkeypatch):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from miles_core.training import fsdp
+
+    # One group, two backends: collectives on CUDA tensors run on nccl, those on the
+    # offloaded CPU shards on the CPU backend (the mesh's groups inherit both).
+    assert fsdp.group_backend("nccl", "gloo") == "cpu:gloo,cuda:nccl"
+    assert fsdp.group_backend("nccl", "ucc") == "cpu:ucc,cuda:nccl"
+    assert fsdp.group_backend("nccl", None) == "nccl" and fsdp.group_backend("gloo", "gloo") == "gloo"
+    with pytest.raises(ValueError, match="a gloo group runs the CPU collectives itself"):
+        fsdp.group_backend("gloo", "mpi")
+    assert fsdp.has_cpu_collectives("cpu:gloo,cuda:nccl") and fsdp.has_cpu_collectives("gloo")
+    assert not fsdp.has_cpu_collectives("nccl") and not fsdp.has_cpu_collectives("cuda:nccl")
+    # init_from_config passes the flag's backend, only under --fsdp-cpu-offload (recorded:
+    # an nccl group cannot be joined on this machine).
+    joined: list[tuple[str, str | None]] = []
+
+    def record(rank, world_size, *, backend, cpu_backend, **_):
+        joined.append((backend, cpu_backend))
+
+    monkeypatch.setattr(fsdp, "init_process_group", record)
+    for extra in ((), ("--fsdp-cpu-offload",)):
+        config = resolve_config([*SD35, *RAY_TWO, "--distributed-backend", "nccl", *extra])
+        fsdp.init_from_config(config, 0, master_addr="127.0.0.1", master_port=1)
+    assert joined == [("nccl", None), ("nccl", "gloo")]
+    policy = fsdp.offload_policy(resolve_config([*SD35, *RAY_TWO, "--fsdp-cpu-offload"]))
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory == torch.cuda.is_available()
+    assert not isinstance(fsdp.offload_policy(resolve_config([*SD35, *RAY_TWO])), CPUOffloadPolicy)

@@ -1,7 +1,9 @@
 """Runs on Ray (``--use-ray``), for real: a local Ray instance, training ranks as actors
 forming a gloo group with FSDP2 shards, the reward on its worker.
 
-- one rank under Ray gives exactly the one-process run (rewards scored on the worker);
+- one rank under Ray gives exactly the one-process run (rewards scored on the worker, the
+  embedded engine on its own actor, synced from the rank), and the driver holds no model
+  weight while it runs;
 - two FSDP2 ranks give the one-rank run's losses and final weights to float tolerance
   (a changed seed, the control, does not);
 - a checkpoint saved at two ranks resumes at one and continues as an uninterrupted run;
@@ -11,9 +13,12 @@ forming a gloo group with FSDP2 shards, the reward on its worker.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from safetensors.torch import load_file
 
 from miles_core.config.resolve import resolve_config
 from miles_core.errors import RunError
-from miles_core.launch import run_sync
+from miles_core.launch import run_sync, train
 from miles_core.training.checkpoint import load_checkpoint
 from tests.tiny_runs import run_metrics, tiny_run_args
 
@@ -78,13 +83,52 @@ def _grad_norms(records: list[dict]) -> list[float]:
     return [norm for r in records for norm in r.get("train/grad_norm_per_step", [])]
 
 
+def _weights_alive() -> dict[int, weakref.ref]:
+    """The model weights alive in this process: parameters, and any tensor that requires
+    a gradient (the trainable ones)."""
+    gc.collect()
+    return {
+        id(o): weakref.ref(o)
+        for o in gc.get_objects()
+        if issubclass(type(o), torch.Tensor) and (isinstance(o, torch.nn.Parameter) or o.requires_grad)
+    }
+
+
+def _run_measuring_the_driver(args: list[str]) -> tuple[list[dict], list[int]]:
+    """Train with ``args`` in this process (the driver); the metrics records, and at each
+    line the run logs (one per rollout, among others) the bytes of the model weights
+    alive here that were not before the run."""
+    before = _weights_alive()
+    held: list[int] = []
+
+    def measure(line: str) -> None:
+        held.append(
+            sum(
+                t.numel() * t.element_size()
+                for key, ref in _weights_alive().items()
+                if (t := ref()) is not None and not (key in before and before[key]() is t)
+            )
+        )
+
+    out = asyncio.run(train(resolve_config(args), log=measure))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], held
+
+
 @pytest.mark.exercises("--use-ray")
 def test_one_rank_under_ray_is_the_one_process_run(tiny_sd3, prompts, tmp_path, ray_cluster):
-    plain = run_metrics(_args(tiny_sd3, prompts, tmp_path / "plain"))
-    on_ray = run_metrics(_args(tiny_sd3, prompts, tmp_path / "ray", "--use-ray"))
+    plain, plain_held = _run_measuring_the_driver(_args(tiny_sd3, prompts, tmp_path / "plain"))
+    on_ray, ray_held = _run_measuring_the_driver(_args(tiny_sd3, prompts, tmp_path / "ray", "--use-ray"))
     assert "rollout/reward/raw_mean" in on_ray[0] and "train/loss" in on_ray[0]
+    # The embedded engine on its actor samples what the one in the process samples (its
+    # LoRA synced from the rank, LoRA-only), and the rank trains what one process trains.
     assert _outcome(on_ray) == _outcome(plain)
     assert _close(_lora(tmp_path / "ray"), _lora(tmp_path / "plain"), atol=0)
+    # The weights reached the engine from the rank, before each rollout, checksums checked.
+    assert all(r["perf/weight_sync_bytes"] > 0 for r in on_ray)
+    # The driver held no model weight at any point of the run; the one-process run (the
+    # control) holds its pipeline and the trained LoRA.
+    assert len(ray_held) >= 2 and max(ray_held) == 0
+    assert min(plain_held[1:]) > 0
     # The Ray session let go of its actors and placement group; the instance stays (it was not ours).
     assert (
         ray.is_initialized()
@@ -180,8 +224,8 @@ def test_a_placement_the_cluster_cannot_hold_is_one_line(tiny_sd3, prompts, tmp_
         )
     message = str(info.value)
     assert message.startswith(
-        "the cluster cannot place 9 bundles (placement group of 9 bundles (CPUs stand in for GPUs): "
-        "8 training rank(s), a reward worker) within 2 s; available: {"
+        "the cluster cannot place 10 bundles (placement group of 10 bundles (CPUs stand in for GPUs): "
+        "8 training rank(s), 1 engine(s) x 1 CPU, a reward worker) within 2 s; available: {"
     )
     assert "\n" not in message
     assert ray.util.placement_group_table() and all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())

@@ -20,7 +20,15 @@ from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.http import HttpEngine
 from miles_core.engine.server import create_app
 from miles_core.errors import WeightSyncError
-from miles_core.training.weight_sync import engine_weights, expected_checksum, lora_config, lora_tensors, sync_to_engine
+from miles_core.training.weight_sync import (
+    check_checksums,
+    engine_weights,
+    expected_checksum,
+    lora_config,
+    lora_tensors,
+    send_from_rank,
+    sync_to_engine,
+)
 from miles_core.weights import (
     bucket_to_bytes,
     iter_buckets,
@@ -229,6 +237,89 @@ def test_a_sync_the_engine_did_not_apply_names_the_url_and_module(server, tiny_s
 
     with pytest.raises(WeightSyncError, match=rf"^{url}: module 'transformer' reports checksum [0-9a-f]+ after a full"):
         asyncio.run(main())
+
+
+# -- from a training rank: gathered and posted bucket by bucket, checksums compared -------------
+
+
+@pytest.mark.parametrize("lora_only", [False, True], ids=["merged", "lora-only"])
+def test_a_rank_sends_its_weights_in_buckets_and_a_corrupted_bucket_fails_the_checksum(server, tiny_sd3, monkeypatch, lora_only):
+    import miles_core.engine.http as http_module
+
+    url, engine = server
+    module = adapted(transformer(tiny_sd3))
+    dtypes = {"transformer": {name: p.dtype for name, p in module.named_parameters()}}
+    size = 1024 if lora_only else 64 * 1024  # several buckets either way (the adapter is 6 KiB)
+    config = SimpleNamespace(update_weight_buffer_size=size)
+    sent_buckets: list[int] = []
+    encode = http_module.bucket_to_bytes
+
+    def recording(bucket):
+        sent_buckets.append(sum(t.numel() * t.element_size() for t in bucket.values()))
+        return encode(bucket)
+
+    monkeypatch.setattr(http_module, "bucket_to_bytes", recording)
+
+    def send_and_check() -> dict:
+        answer = send_from_rank({"transformer": module}, dtypes, [url], config, lora_only=lora_only, sends=True)
+        assert answer["error"] is None
+
+        async def check():
+            async with HttpEngine(url) as client:
+                await check_checksums(client, answer["checksums"], lora_only=lora_only)
+
+        asyncio.run(check())
+        return answer
+
+    answer = send_and_check()
+    assert answer["checksums"] == {"transformer": expected_checksum(module, lora_only=lora_only)}
+    assert checksum_of(url) == expected_checksum(module, lora_only=lora_only)
+    # Bucket by bucket: what the sync sends, cut at --update-weight-buffer-size (never all at once).
+    sent = lora_tensors(module) if lora_only else engine_weights(module)
+    items = sorted(sent, key=lambda item: item[0]) if lora_only else list(sent)
+    assert sent_buckets == [sum(t.numel() * t.element_size() for t in b.values()) for b in iter_buckets(items, size)]
+    assert len(sent_buckets) > 1 and answer["bytes"] == sum(sent_buckets)
+
+    # Control: one bucket altered on its way (after the rank hashed it) fails the comparison.
+    def corrupting(bucket):
+        if not sent_buckets:
+            name = next(iter(bucket))
+            bucket = {**bucket, name: bucket[name] + 1}
+        return recording(bucket)
+
+    sent_buckets.clear()
+    monkeypatch.setattr(http_module, "bucket_to_bytes", corrupting)
+    with pytest.raises(WeightSyncError, match=rf"^{url}: module 'transformer' reports checksum [0-9a-f]+ after a "):
+        send_and_check()
+
+
+def test_a_rank_that_cannot_reach_an_engine_still_gathers_to_the_end(tiny_sd3):
+    module = adapted(transformer(tiny_sd3))
+    dtypes = {"transformer": {name: p.dtype for name, p in module.named_parameters()}}
+    config = SimpleNamespace(update_weight_buffer_size=64 * 1024)
+    answer = send_from_rank({"transformer": module}, dtypes, ["http://127.0.0.1:9"], config, lora_only=False, sends=True)
+    url, status, _ = answer["error"]
+    assert url.startswith("http://127.0.0.1:9/update_weights_from_tensor") and status is None
+    assert answer["checksums"] == {} and answer["bytes"] == 0
+
+
+def test_a_streamed_component_loads_as_save_pretrained_wrote_it(tiny_sd3, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    from miles_core.training.final_weights import INDEX_NAME, stream_component
+
+    module = transformer(tiny_sd3)
+    dtypes = {name: torch.float64 for name, _ in module.named_parameters()}  # another dtype for an engine: cast on the way
+    stream_component(module, tmp_path / "streamed", dtypes, writes=True, max_shard_bytes=16 * 1024)
+    files = sorted(p.name for p in (tmp_path / "streamed").glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "streamed" / INDEX_NAME).is_file()
+    loaded = SD3Transformer2DModel.from_pretrained(str(tmp_path / "streamed"), torch_dtype=torch.float64)
+    state = module.state_dict()
+    assert loaded.state_dict().keys() == state.keys()
+    assert all(torch.equal(loaded.state_dict()[k], v.to(torch.float64)) for k, v in state.items())
+    # A rank that does not write gathers the same tensors and writes nothing.
+    stream_component(module, tmp_path / "silent", dtypes, writes=False)
+    assert not (tmp_path / "silent").exists()
 
 
 # -- (b, d) a LoRA run against an HTTP engine, full merged weights in small buckets -------------

@@ -1,6 +1,7 @@
 """What a ``--use-ray`` run holds on the cluster, from start to finish: the Ray
 connection and placement group, the training-rank actors, the reward worker (and the
-engine servers the run starts); :meth:`RaySession.close` releases them all, in reverse."""
+engine servers the run starts, the embedded engine's actor among them);
+:meth:`RaySession.close` releases them all, in reverse."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ class RaySession:
         with ``reward_worker``, the reward worker."""
         return cls(config, RayRuntime.start(config, engines=engines, reward_worker=reward_worker, log=log))
 
-    def wrap_trainer(self, local: Any) -> Any:
-        """The training ranks, started from ``local`` (the driver's trainer, which becomes
-        their mirror): a :class:`~miles_core.cluster.train_ranks.RayTrainer`."""
+    def start_trainer(self) -> Any:
+        """The training ranks, each loading the model and building its trainer: a
+        :class:`~miles_core.cluster.train_ranks.RayTrainer` (the driver loads no model)."""
         from miles_core.cluster.train_ranks import RayTrainer
 
-        self.trainer = RayTrainer(local, self.config, self.runtime)
+        self.trainer = RayTrainer(self.config, self.runtime)
         self._closers.append(self.trainer.close)
         return self.trainer
 
@@ -43,10 +44,13 @@ class RaySession:
         return self.scorer
 
     def engine_fleet(self, log_dir: Any) -> Any:
-        """The engine servers the run starts, on their bundles: a
+        """The engine servers the run starts, on their bundles (the embedded engine on an
+        actor of its own under ``--rollout-engine embedded``): a
         :class:`~miles_core.cluster.engine_hosts.RayEngineFleet` (the run stops it)."""
         from miles_core.cluster.engine_hosts import RayEngineFleet
 
+        if self.config.rollout_engine == "embedded":
+            return RayEngineFleet.start_embedded(self.config, self.runtime)
         return RayEngineFleet.start(self.config, self.runtime, log_dir)
 
     def close(self) -> None:

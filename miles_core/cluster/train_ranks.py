@@ -3,19 +3,27 @@
 Each :class:`TrainRank` actor loads the family, joins the torch.distributed group (gloo on
 CPU, nccl on GPU) and builds the FSDP2-sharded :class:`~miles_core.training.trainer.Trainer`
 for its rank. The driver keeps a :class:`RayTrainer`: it has the interface the run loop
-uses on a one-process trainer, and a full copy of the trainable weights (the "mirror",
-on the driver's own family, which the embedded engine samples and weight sync reads).
+uses on a one-process trainer, but no model: it loads no family and holds no trainable
+tensor.
 
 A rollout's training: every rank gets the whole rollout (one object in Ray's store) and
-trains its share (``--train-dp-split-mode``); then the full trainable state (and the
-EMA's) is gathered from the shards and loaded into the mirror. The ranks' gather is a
-collective, so every call that gathers or loads goes to all ranks at once.
+trains its share (``--train-dp-split-mode``). The ranks themselves send the new weights
+to the engines (:meth:`RayTrainer.sync_to_engine`: gathered bucket by bucket, posted by
+rank 0, checksums compared by the driver) and write the final weights
+(:meth:`RayTrainer.save_weights`). What the driver does fetch is small or on demand: a
+LoRA or EMA state for a checkpoint, the optimizer state. A gather is a collective, so
+every call that gathers or loads goes to all ranks at once, one call at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from miles_core.cluster.runtime import RayRuntime, task_result
@@ -29,6 +37,7 @@ class TrainRank:
         self.rank = rank
         self.world = world
         self.trainer: Any = None
+        self._offload: Any = None  # --offload-train: the TrainerOffload of this rank's trainer
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port: rank 0's is the group's rendezvous."""
@@ -59,6 +68,15 @@ class TrainRank:
         self.trainer = Trainer(load_family(config), config, sde_backend(config), loss_fn, dp_rank=self.rank)
         return len(self.trainer.parameters)
 
+    def keeps_ema(self) -> bool:
+        return self.trainer.ema is not None
+
+    def sft_params(self) -> Any:
+        """The generation parameters SFT trains with (from this rank's family)."""
+        from miles_core.training.sft import sft_params
+
+        return sft_params(self.trainer.family, self.config)
+
     def train_rollout(self, samples: Sequence[Any], advantages: Any, lr_at: Any) -> tuple[dict[str, Any], list, int]:
         metrics = self.trainer.train_rollout(samples, advantages, lr_at)
         return metrics, self._pairs(), self.trainer.optimizer_steps
@@ -70,7 +88,39 @@ class TrainRank:
     def _pairs(self) -> list:
         return list(self.trainer.last_pairs) if self.config.save_debug_train_data else []
 
+    def offload(self) -> None:
+        """``--offload-train``: this rank's whole training state (no engine samples a
+        rank's modules) to host memory; see :mod:`miles_core.training.offload`."""
+        from miles_core.training.offload import TrainerOffload
+
+        if self._offload is None:
+            self._offload = TrainerOffload(self.trainer)
+        self._offload.offload()
+
+    def reload(self) -> None:
+        if self._offload is not None:
+            self._offload.reload()
+
     # Gathers and loads: collectives, called on every rank together; rank 0 answers.
+
+    def send_weights(self, urls: list[str], lora_only: bool, ema: bool) -> dict[str, Any] | None:
+        """Weight sync to the engine servers ``urls``: every rank gathers, rank 0 posts the
+        buckets (:func:`~miles_core.training.weight_sync.send_from_rank`); ``ema``: the
+        EMA weights are swapped in meanwhile (``--ema-rollout-policy ema``)."""
+        from miles_core.training.weight_sync import send_from_rank
+
+        trainer = self.trainer
+        policy = trainer.ema.swap_into(trainer.named_trainable()) if ema else nullcontext()
+        with policy:
+            answer = send_from_rank(trainer.modules, trainer.engine_dtypes, urls, self.config, lora_only=lora_only, sends=self.rank == 0)
+        return answer if self.rank == 0 else None
+
+    def save_weights(self, out: str) -> None:
+        """The run's final weights under ``out``, written by rank 0
+        (:func:`~miles_core.training.final_weights.save_final_weights`)."""
+        from miles_core.training.final_weights import save_final_weights
+
+        save_final_weights(self.trainer, Path(out), writes=self.rank == 0)
 
     def trainable_state(self) -> Any:
         state = self.trainer.trainable_state()
@@ -93,8 +143,38 @@ class TrainRank:
     def load_ema_state(self, state: Any) -> None:
         self.trainer.ema.load_state_dict(state)
 
+    def save_sharded(self, directory: str, optimizer: bool) -> dict[str, Any]:
+        """Write this rank's shards into ``directory`` (a sharded checkpoint, nothing
+        gathered); every rank returns the same record of what the ranks wrote."""
+        from pathlib import Path
+
+        from miles_core.training.sharded_checkpoint import write_shards
+
+        return write_shards(self.trainer, Path(directory), optimizer=optimizer).to_record()
+
+    def load_sharded(self, directory: str, record: dict[str, Any], optimizer: bool) -> None:
+        """Read this rank's part of a sharded checkpoint saved at any world size."""
+        from pathlib import Path
+
+        from miles_core.training.sharded_checkpoint import ShardedPart, read_shards
+
+        read_shards(self.trainer, Path(directory), ShardedPart.from_record(record, Path(directory)), optimizer=optimizer)
+
     def set_optimizer_steps(self, steps: int) -> None:
         self.trainer.optimizer_steps = steps
+
+    def memory_report(self) -> dict[str, Any]:
+        """This rank's memory: the audit of its trainer's tensors by role and device
+        (:func:`~miles_core.training.offload.run_memory_report`, ``{role: {device:
+        bytes}}``) and the process's resident and peak RSS in bytes (``bench/memory.py``)."""
+        import resource
+
+        from miles_core.training.offload import run_memory_report
+
+        with open("/proc/self/statm", encoding="ascii") as statm:  # Linux: pages, the second field resident
+            rss = int(statm.read().split()[1]) * resource.getpagesize()
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)  # KiB on Linux, updated lazily
+        return {"tensors": run_memory_report(self.trainer, None).as_dict(), "rss": rss, "peak_rss": peak}
 
     def rng_state(self) -> Any:
         from miles_core.training.fsdp import rank_rng_state
@@ -114,43 +194,39 @@ class TrainRank:
         destroy_process_group()
 
 
-class _MirrorEma:
-    """The driver's EMA: the mirror's, loaded from the ranks after each rollout; loading
-    a state (a resumed run) loads it on the ranks too."""
+class _RankEma:
+    """The ranks' EMA as the run loop sees it: its state is fetched from the ranks when a
+    checkpoint asks for it, and loaded on the ranks; the ranks swap it in themselves
+    (``--ema-rollout-policy ema``: :meth:`TrainRank.send_weights`)."""
 
     def __init__(self, owner: RayTrainer) -> None:
         self._owner = owner
-        self._local = owner.local.ema
 
     def state_dict(self) -> dict[str, Any]:
-        return self._local.state_dict()
+        return self._owner._on_ranks("ema_state")[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._local.load_state_dict(state)
         self._owner._on_ranks("load_ema_state", state)
-
-    def swap_into(self, named: Any) -> Any:
-        return self._local.swap_into(named)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._local, name)
 
 
 class RayTrainer:
     """The run loop's trainer when the training ranks are Ray actors (see the module
-    docstring). ``local`` is a one-process trainer on the driver's family: its modules
-    are the mirror; it never takes an optimizer step itself."""
+    docstring). It holds no model: ``modules`` is empty."""
 
-    def __init__(self, local: Any, config: Any, runtime: RayRuntime) -> None:
+    modules: dict[str, Any] = {}
+    """No module lives in the driver (the ranks hold the trainable weights)."""
+
+    def __init__(self, config: Any, runtime: RayRuntime) -> None:
         import ray
 
-        self.local = local
         self.config = config
-        self.family = local.family
-        self.modules = local.modules
         self.on_progress = None
         self.last_pairs: list = []
         self._ray = ray
+        self._steps = 0
+        # One rank call at a time: the ranks must meet every collective in the same order,
+        # and a background re-sync (fault tolerance) may call from another thread.
+        self._calls = threading.Lock()
         world = config.world_size
         env = {str(k): str(v) for k, v in (config.train_env_vars or {}).items()}
         actor = ray.remote(TrainRank)
@@ -160,41 +236,33 @@ class RayTrainer:
         ]
         try:
             master = task_result(self.ranks[0].address.remote())
+            # Each rank seeds torch with --seed before it builds its trainer, so a LoRA's
+            # initial adapters are the one-process run's; FSDP2 starts every rank from
+            # rank 0's weights (fsdp.same_starting_weights).
             self._on_ranks("setup", *master)
-            if config.use_lora:
-                # Adapter initialisation draws from each process's RNG: start every rank
-                # from the driver's adapters, bit for bit.
-                self._on_ranks("load_trainable_state", local.trainable_state())
+            keeps_ema = self._on_ranks("keeps_ema")[0]
         except BaseException:
             self.close()
             raise
-        self.ema = _MirrorEma(self) if local.ema is not None else None
+        self.ema = _RankEma(self) if keeps_ema else None
 
     @property
     def optimizer_steps(self) -> int:
-        return self.local.optimizer_steps
+        return self._steps
 
     @optimizer_steps.setter
     def optimizer_steps(self, steps: int) -> None:
-        self.local.optimizer_steps = steps
+        self._steps = steps
         self._on_ranks("set_optimizer_steps", steps)
 
     def _on_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank at once; an error a rank raised is raised here
         as itself (a ValueError stays one)."""
-        refs = [self._ray.put(arg) for arg in args]  # one copy in the object store for all ranks
-        return task_result([getattr(rank, method).remote(*refs) for rank in self.ranks])
-
-    def _pull(self) -> None:
-        """Load the ranks' full state into the mirror."""
-        self.local.load_trainable_state(self._on_ranks("trainable_state")[0])
-        if self.local.ema is not None:
-            self.local.ema.load_state_dict(self._on_ranks("ema_state")[0])
+        with self._calls:
+            refs = [self._ray.put(arg) for arg in args]  # one copy in the object store for all ranks
+            return task_result([getattr(rank, method).remote(*refs) for rank in self.ranks])
 
     # -- the run loop's interface ----------------------------------------------------------
-
-    def named_trainable(self) -> dict[str, Any]:
-        return self.local.named_trainable()
 
     def train_rollout(self, samples: Sequence[Any], advantages: Any, lr_at: Any = None) -> dict[str, Any]:
         results = self._on_ranks("train_rollout", list(samples), advantages, lr_at)
@@ -204,19 +272,61 @@ class RayTrainer:
     def train_sft(self, rows: Sequence[Any], params: Any, lr_at: Any = None) -> dict[str, Any]:
         return self._advance(self._on_ranks("train_sft", list(rows), params, lr_at))
 
+    def offload(self) -> None:
+        """``--offload-train``: every rank offloads its state (the engines hold their own
+        copy of the weights, synced from the ranks)."""
+        self._on_ranks("offload")
+
+    def reload(self) -> None:
+        self._on_ranks("reload")
+
     def _advance(self, results: list[tuple[dict[str, Any], list, int]]) -> dict[str, Any]:
-        """Mirror the ranks' new state; rank 0's metrics (every rank's are the global ones)."""
-        self._pull()
+        """Rank 0's metrics (every rank's are the global ones)."""
         metrics, _, steps = results[0]
-        self.local.optimizer_steps = steps
+        self._steps = steps
         return metrics
 
+    def sft_params(self) -> Any:
+        return self._on_ranks("sft_params")[0]
+
     def trainable_state(self) -> dict[str, Any]:
-        return self.local.trainable_state()
+        """The trainable weights gathered from the ranks into the driver (a checkpoint of
+        a LoRA, or of a run that does not save sharded)."""
+        return self._on_ranks("trainable_state")[0]
 
     def load_trainable_state(self, state: dict[str, Any]) -> None:
-        self.local.load_trainable_state(state)
         self._on_ranks("load_trainable_state", state)
+
+    async def sync_to_engine(self, engine: Any, *, ema: bool = False) -> Any:
+        """Weight sync from the ranks to every server of ``engine`` (an
+        :class:`~miles_core.engine.http.HttpEngine`) that takes weight updates: the ranks
+        gather and rank 0 posts (:meth:`TrainRank.send_weights`); then each server's
+        checksums must equal those of what rank 0 sent. Under fault tolerance a server
+        that stops answering is marked down and the sync goes on to the others, as
+        :meth:`HttpEngine.update_weights_from_tensors` does."""
+        from miles_core.errors import EngineRequestError
+        from miles_core.training.weight_sync import SyncResult, check_checksums, sync_lora_only
+
+        began = time.perf_counter()
+        lora_only = sync_lora_only(self.config)
+        supervisor = getattr(engine, "supervisor", None)
+        while True:
+            urls = engine.weight_urls()
+            answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema))[0]
+            if answer["error"] is None:
+                break
+            url, status, message = answer["error"]
+            if supervisor is None or status is not None:
+                raise EngineRequestError(url, status, message)
+            supervisor.mark_down(next((u for u in urls if url.startswith(u)), url), f"a request got no answer: {message}")
+        result = SyncResult(bytes=answer["bytes"], checksums=answer["checksums"])
+        await check_checksums(engine, result.checksums, lora_only=lora_only)
+        result.seconds = time.perf_counter() - began
+        return result
+
+    def save_weights(self, out: Path) -> None:
+        """The run's final weights, written by the ranks (nothing passes through here)."""
+        self._on_ranks("save_weights", str(out))
 
     def optimizer_state(self) -> dict[str, Any]:
         return self._on_ranks("optimizer_state")[0]
@@ -226,6 +336,22 @@ class RayTrainer:
 
     def rank_rng_states(self) -> list[Any]:
         return self._on_ranks("rng_state")
+
+    def rank_memory_reports(self) -> list[dict[str, Any]]:
+        """Every rank's :meth:`TrainRank.memory_report`, in rank order."""
+        return self._on_ranks("memory_report")
+
+    def save_sharded(self, directory: Any, *, optimizer: bool = True) -> Any:
+        """Have every rank write its shards into ``directory`` (the driver gathers nothing);
+        the :class:`~miles_core.training.sharded_checkpoint.ShardedPart` they report."""
+        from miles_core.training.sharded_checkpoint import ShardedPart
+
+        record = self._on_ranks("save_sharded", str(directory), optimizer)[0]
+        return ShardedPart.from_record(record, directory)
+
+    def load_sharded(self, directory: Any, part: Any, *, optimizer: bool = True) -> None:
+        """Have every rank read its part of a sharded checkpoint."""
+        self._on_ranks("load_sharded", str(directory), part.to_record(), optimizer)
 
     def restore_rank_rng(self, states: Sequence[Any] | None) -> bool:
         """Give the ranks their saved RNG states (see :meth:`TrainRank.restore_rng`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_core.config.fsdp_offload import fsdp_offload_notes
 from miles_core.config.model import Config
 from miles_core.machine import visible_gpu_count
 
@@ -45,7 +46,9 @@ def hardware_notes(config: Config) -> list[str]:
                 if not gpus
                 else "without --use-ray the trainer is one process and places no work on several GPUs"
             )
-            notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, so it has no effect")
+            # --colocate takes effect everywhere through the turns it turns on; only its placement needs Ray.
+            effect = "it places nothing (the turns it turns on still take effect)" if flag.name == "--colocate" else "it has no effect"
+            notes.append(f"{_shown(config, dest)}: with the hardware it needs, it {flag.hardware} Here {why}, so {effect}")
     if config.sglang_args and config.get("rollout_engine") != "sglang":
         notes.append(
             f"{' '.join(config.sglang_args)}: --sglang-* arguments are passed to sglang-diffusion servers only; "
@@ -67,6 +70,11 @@ def unavailable_errors(config: Config) -> list[str]:
             f"--actor-num-nodes {config.actor_num_nodes} x --actor-num-gpus-per-node {config.actor_num_gpus_per_node} "
             f"= world size {config.world_size}: several training ranks run as Ray actors; add --use-ray (or "
             "--ray-address), or pass --actor-num-gpus-per-node 1 to train in one process"
+            + (
+                f" (--sequence-parallel-size {config.get('sequence_parallel_size')} splits each sample over that many ranks)"
+                if (config.get("sequence_parallel_size") or 1) > 1
+                else ""
+            )
         )
     return errors
 
@@ -80,7 +88,10 @@ DISTRIBUTED_FLAGS = (
     "--distributed-timeout-minutes",
     "--dp-replicate-size",
     "--fsdp-reduce-dtype",
-    "--fsdp-master-dtype",
+    "--fsdp-cpu-offload",
+    "--fsdp-cpu-backend",
+    "--sequence-parallel-size",
+    "--ulysses-degree",
 )
 """Hardware-only flags of the torch.distributed group, in effect with several training ranks."""
 
@@ -162,12 +173,8 @@ def inert_notes(config: Config) -> list[str]:
                 f"{', '.join(unused)}: no evaluation runs without --eval-interval, so "
                 f"{'they have' if len(unused) > 1 else 'it has'} no effect"
             )
-    if config.get("diffusion_forward_dtype") not in (None, "fp32") and config.get("fsdp_master_dtype") == "fp32" and config.world_size == 1:
-        notes.append(
-            f"--diffusion-forward-dtype {config.get('diffusion_forward_dtype')}: the trained parameters and "
-            "the optimizer state are in that dtype too in a one-rank run (fp32 master weights, "
-            "--fsdp-master-dtype, come with the FSDP2 ranks of a --use-ray run with world size > 1)"
-        )
+    if "--fsdp-cpu-backend" in _placed_by_ray(config):  # elsewhere its hardware note says it already
+        notes.extend(fsdp_offload_notes(config))
     if config.get("diffusion_debug_mode") and loss in ("nft", "sft_loss"):
         notes.append(
             f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "

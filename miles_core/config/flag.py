@@ -198,7 +198,8 @@ class Flag:
     hardware: str | None = None
     """Hardware-only: what the flag does on the hardware it needs (GPUs, several ranks,
     CUDA IPC). Set to a non-default value where that is missing, the run logs this as a
-    note instead of silently ignoring it. The documented list in ``docs/cli.md``."""
+    note instead of silently ignoring it. The documented list in ``docs/cli.md``. Like
+    every flag that is not unavailable, it needs a test of its logic (the flag audit)."""
     unavailable: str | None = None
     """Why the flag is not available in this version: a non-default value is an error
     for ``train`` (a warning for ``config``)."""

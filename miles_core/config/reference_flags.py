@@ -89,7 +89,9 @@ _TABLE: tuple[Flag, ...] = (
         "--colocate",
         "bool",
         False,
-        "Run trainer and rollout on the same GPUs; required, since CUDA IPC weight sync only supports colocated execution.",
+        "Run trainer and engines on the same GPUs, taking turns: turns on --offload-train and --offload-rollout unless "
+        "set. Under --use-ray the engine servers the run starts share the training devices (trainer 0.7, engine 0.25 of "
+        "each) instead of taking devices of their own.",
     ),
     _f(
         "cluster",
@@ -114,9 +116,33 @@ _TABLE: tuple[Flag, ...] = (
         reference_default="(no such flag)",
         differs="The reference joins the cluster its job was submitted to; here it is named explicitly.",
     ),
-    _f("cluster", "--offload", "bool", False, "Shorthand for --offload-train plus --offload-rollout."),
-    _f("cluster", "--offload-train", "tristate", None, "Offload the trainer while rollout runs; always on under --colocate."),
-    _f("cluster", "--offload-rollout", "tristate", None, "Offload the rollout engine while training runs; always on under --colocate."),
+    _f(
+        "cluster",
+        "--offload",
+        "bool",
+        False,
+        "Shorthand for --offload-train plus --offload-rollout (--no-offload-train or --no-offload-rollout with it is an error).",
+    ),
+    _f(
+        "cluster",
+        "--offload-train",
+        "tristate",
+        None,
+        "Move the trainer's state to CPU memory (pinned with CUDA) while the engine generates and evaluates, and back "
+        "before training: with a remote engine (or the training ranks of --use-ray) its parameters, gradients, optimizer "
+        "state and EMA; with the embedded engine, which samples the trainer's modules, the gradients, optimizer state and "
+        "EMA. On under --offload and --colocate unless set (--no-offload-train with --colocate is an error).",
+    ),
+    _f(
+        "cluster",
+        "--offload-rollout",
+        "tristate",
+        None,
+        "Release the engine's memory while the trainer trains, and resume it before the weight sync: the embedded "
+        "engine's modules the trainer does not run (VAE, text encoders), every serve-engine or sglang-diffusion server's "
+        "pipeline (POST /release_memory_occupation). On under --offload and --colocate unless set "
+        "(--no-offload-rollout with --colocate is an error).",
+    ),
     _f(
         "cluster",
         "--distributed-backend",
@@ -135,7 +161,8 @@ _TABLE: tuple[Flag, ...] = (
         "--fsdp-master-dtype",
         "str",
         "fp32",
-        "Precision of loading, the sharded master weights and the optimizer state.",
+        "Precision of the master weights and the optimizer state (the FSDP2 shards, or the one-process trainer's master copies); "
+        "the forward runs in --diffusion-forward-dtype.",
         choices=("fp32", "bf16", "fp16"),
     ),
     _f(
@@ -575,8 +602,7 @@ _TABLE: tuple[Flag, ...] = (
         "--eval-config",
         "str",
         None,
-        "OmegaConf YAML/JSON eval configuration (in the reference it overrides --eval-prompt-data). Not available yet: "
-        "train refuses it; give the datasets with --eval-prompt-data NAME PATH.",
+        "OmegaConf YAML/JSON eval configuration (in the reference it overrides --eval-prompt-data).",
     ),
     _hook("evaluation", "--eval-function-path", "Eval rollout function; defaults to --rollout-function-path."),
     _f("evaluation", "--eval-input-key", "str", None, "Prompt key in eval data rows; defaults to --input-key."),
@@ -841,6 +867,19 @@ _TABLE: tuple[Flag, ...] = (
     # ------------------------------------------------------------------ checkpointing
     _f("checkpointing", "--save", "str", None, "Checkpoint directory to save to."),
     _f("checkpointing", "--save-interval", "int", None, "Save every N rollouts; requires --save.", range="[1, inf)"),
+    _f(
+        "checkpointing",
+        "--save-keep-last",
+        "int",
+        None,
+        "Keep only the newest K checkpoints under --save, deleting older ones after each new one is published; never "
+        "the one the run resumed from. Unset: keep all.",
+        range="[1, inf)",
+        metavar="K",
+        reference_default="(no such flag)",
+        differs="Added: the reference keeps every checkpoint; a sharded full fine-tune's checkpoints are as large as the "
+        "model and its optimizer state.",
+    ),
     _f("checkpointing", "--no-save-optim", "bool", False, "Do not save optimizer state: smaller checkpoints, but no resumption."),
     _f("checkpointing", "--load", "str", None, "Checkpoint directory to resume from."),
     _f(
@@ -1006,22 +1045,26 @@ HARDWARE_ONLY: dict[str, str] = {
     "--rollout-num-gpus": "reserves GPUs for the rollout engines (and, for train-only SFT, the encoders) apart from the trainer's.",
     "--rollout-num-gpus-per-engine": "gives each engine several GPUs (sglang-diffusion's tensor / sequence parallelism inside one server).",
     "--num-gpus-per-node": "caps the GPUs the job may use per node when engines and trainers are placed.",
-    "--colocate": "shares the same GPUs between trainer and engines, taking turns (the precondition for CUDA-IPC weight sync).",
+    "--colocate": "places the engine servers the run starts on the training devices (trainer 0.7, engine 0.25 of each) "
+    "instead of devices of their own, where the two take turns (--offload-train and --offload-rollout, which --colocate "
+    "turns on).",
     "--colocate-reward": "places reward actors on the rollout GPUs next to colocated engines and trainer.",
-    "--offload": "turns on --offload-train and --offload-rollout.",
-    "--offload-train": "moves the trainer's weights and optimizer state off the GPU while the engines generate.",
-    "--offload-rollout": "releases the engines' GPU memory while the trainer trains.",
     "--distributed-backend": "chooses the torch.distributed backend of the training ranks' process group.",
     "--distributed-timeout-minutes": "bounds how long the training ranks' collectives may wait.",
     "--dp-replicate-size": "splits the data-parallel ranks into replicas of FSDP2 shard groups (hybrid sharding).",
-    "--sequence-parallel-size": "splits one sample's sequence across GPUs (Ulysses x ring attention).",
-    "--ulysses-degree": "sets the Ulysses share of sequence parallelism.",
+    "--sequence-parallel-size": "splits each sample's tokens over this many training ranks in the trained transformer's "
+    "forward and backward (diffusers' context parallelism: Ulysses all-to-all x ring attention), composed with FSDP2 "
+    "data parallelism; the world size is data-parallel size x this.",
+    "--ulysses-degree": "sets the Ulysses share of sequence parallelism (0: all of it); the rest, SP / this, is ring "
+    "attention, which needs a CUDA attention backend that returns the log-sum-exp (--fsdp-attention-backend "
+    "_native_cudnn, _native_flash or flash).",
     "--fsdp-reduce-dtype": "sets the precision of the gradient reduce-scatter across data-parallel ranks.",
-    "--fsdp-master-dtype": "keeps the FSDP2-sharded trainable parameters (the master weights) and the optimizer state "
-    "in this dtype while the forward runs in --diffusion-forward-dtype; a single-process "
-    "trainer keeps them in the forward dtype.",
-    "--fsdp-cpu-offload": "keeps FSDP2's parameters, gradients and optimizer state in CPU memory between uses on the GPU.",
-    "--fsdp-cpu-backend": "names the process-group backend for the CPU-offloaded optimizer step.",
+    "--fsdp-cpu-offload": "keeps the FSDP2 shards of the trainable components, their gradients and the optimizer state "
+    "in CPU memory (FSDP2's CPUOffloadPolicy, pinned), copying each block's shards to the GPU for its forward and backward "
+    "and running the optimizer step on the CPU; with several training ranks (one process: --offload-train).",
+    "--fsdp-cpu-backend": "names the backend of the training process group's CPU side under --fsdp-cpu-offload: the group "
+    "is cpu:<backend>,cuda:nccl, so the collectives over the offloaded CPU tensors (the gradient norm of clipping, "
+    "checkpoint gathers) run on it.",
 }
 """The documented hardware-only flags: flag -> what it does on the hardware it needs
 (several GPUs or ranks). Where that hardware is missing (a single process on a CPU-only
@@ -1044,6 +1087,8 @@ UNAVAILABLE: dict[str, str] = {
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
     "use --use-wandb (offline mode works without a network) and metrics.jsonl",
     "--miles-dashboard-workspace": "the miles dashboard is a separate product that miles-core does not ship",
+    "--eval-config": "OmegaConf evaluation configs are not supported in this version; give the datasets as "
+    "--eval-prompt-data NAME PATH [NAME PATH ...]",
 }
 """Flags accepted for compatibility whose feature is not in this version: flag -> why.
 A value other than the default is an error for ``train`` and a warning for ``config``."""

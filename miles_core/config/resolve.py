@@ -15,8 +15,10 @@ from typing import Any
 
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
+from miles_core.config.fsdp_offload import fsdp_offload_errors
 from miles_core.config.model import Component, Config, Source
 from miles_core.config.parser import flag_entries, parse_command_line
+from miles_core.config.sequence_parallel import sequence_parallel_errors
 from miles_core.errors import ComponentLoadError, ConfigError, FamilyMatchError, PathFlagError
 from miles_core.family_match import checkpoint_problem, match_family
 from miles_core.machine import visible_gpu_count
@@ -105,6 +107,7 @@ class _Resolver:
         if scope == "train":
             self.resolve_debug()
             self.check_rules()
+            self.resolve_offload()
             self.check_ranges()
             self.check_step_selection()
             self.errors.extend(conflicting_flags(self.config))
@@ -157,7 +160,7 @@ class _Resolver:
             if world % sp:
                 self.fail(
                     f"--sequence-parallel-size {sp} must divide the train world size {world} "
-                    "(--actor-num-nodes x --actor-num-gpus-per-node)"
+                    "(--actor-num-nodes x --actor-num-gpus-per-node): it splits each sample over that many training ranks"
                 )
             else:
                 c.data_parallel_size = world // sp
@@ -457,6 +460,7 @@ class _Resolver:
         v = self.v
         requires = [
             ("save_interval", "save", "--save-interval requires --save (where to write checkpoints)"),
+            ("save_keep_last", "save", "--save-keep-last requires --save (the checkpoints it rotates)"),
             ("lora_ipc_weight_sync", "use_lora", "--lora-ipc-weight-sync requires --use-lora (it sends only lora_A/lora_B)"),
             ("colocate_reward", "colocate", "--colocate-reward requires --colocate"),
             ("ckpt_step", "load", "--ckpt-step requires --load"),
@@ -487,6 +491,10 @@ class _Resolver:
             self.fail("--ema-rollout-policy ema requires --use-ema")
         if v("ref_mode") == "lora_base" and not v("use_lora"):
             self.fail("--ref-mode lora_base requires --use-lora (the reference is the model with LoRA disabled)")
+        if "sequence_parallel_size" not in self.out_of_range and self.config.world_size % v("sequence_parallel_size") == 0:
+            family = registry_spec(self.host, "model_family", self.config.model_family)
+            self.errors.extend(sequence_parallel_errors(self.config, family, visible_gpu_count()))
+        self.errors.extend(fsdp_offload_errors(self.config))
         if v("lr_warmup_iters") and v("lr_warmup_fraction") is not None:
             self.fail("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
         if v("lr_decay_style") == "wsd" and v("lr_wsd_decay_iters") is None:
@@ -509,6 +517,45 @@ class _Resolver:
         if v("num_rollout") is not None and v("num_epoch") is not None:
             self.config.notes.append("--num-epoch is ignored because --num-rollout is set (as in the reference)")
         self.check_run_hooks()
+
+    def resolve_offload(self) -> None:
+        """``--offload`` turns on ``--offload-train`` and ``--offload-rollout``; so does
+        ``--colocate``, whose trainer and engines share devices and take turns. Unset, each
+        resolves to True or False; turned off against either, it is an error. The engine
+        must be able to release its memory (:attr:`RolloutEngineSpec.releases_memory`)."""
+        c, v = self.config, self.v
+        why = {
+            "offload": "--offload turns on --offload-train and --offload-rollout",
+            "colocate": "colocated trainer and engines share the devices and take turns",
+        }
+        for dest in ("offload_train", "offload_rollout"):
+            if v(dest) is None:
+                c.set(dest, bool(v("offload") or v("colocate")), Source.DERIVED)
+                continue
+            for on in ("offload", "colocate"):
+                if v(on) and v(dest) is False:
+                    self.fail(f"--{on} and --no-{self.name(dest)[2:]} cannot be combined: {why[on]}; drop one of them")
+        generates = not (self.trains_on() == "supervised_rows" or v("train_only") or v("load_debug_rollout_data"))
+        turned_on = [self.name(d) for d in ("offload", "offload_train", "offload_rollout") if c.is_user_set(d) and v(d)]
+        if turned_on and not generates:
+            what = (
+                f"--loss-type {v('loss_type')} trains on --prompt-data rows"
+                if self.trains_on() == "supervised_rows"
+                else "replayed rollouts train"
+            )
+            c.notes.append(
+                f"{', '.join(turned_on)}: {what} with no rollout engine, so the trainer has no turns to take and "
+                f"{'they have' if len(turned_on) > 1 else 'it has'} no effect"
+            )
+        engine = registry_spec(self.host, "rollout_engine", v("rollout_engine"))
+        if v("offload_rollout") and generates and engine is not None and not engine.releases_memory:
+            cause = next(
+                (self.name(d) for d in ("offload_rollout", "offload", "colocate") if c.is_user_set(d) and v(d)), "--offload-rollout"
+            )
+            self.fail(
+                f"{cause} and --rollout-engine {v('rollout_engine')} cannot be combined: that engine cannot release its "
+                "memory while the trainer trains (its RolloutEngineSpec does not declare releases_memory)"
+            )
 
     def check_run_hooks(self) -> None:
         """The rollout, data and logging hooks of docs/customization.md: the signature each
@@ -704,11 +751,6 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
         errors.append("--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or leave it unset")
     if loss == "nft" and config.diffusion_kl_beta > 0:
         errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
-    if config.eval_config:
-        errors.append(
-            f"--eval-config {config.eval_config}: OmegaConf evaluation configs are not supported yet; "
-            "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
-        )
     family = registry_spec(host, "model_family", config.model_family)
     if family is not None and not family.supports_cfg_training and loss != "sft_loss" and config.diffusion_guidance_scale > 1:
         errors.append(

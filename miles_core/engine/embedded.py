@@ -3,6 +3,12 @@
 Generation runs in a worker thread so the event loop stays responsive (a caller can
 score one microgroup while others generate); one request runs at a time, since the
 model is shared. Weight updates from the trainer need no serialization.
+
+``--offload-rollout``: :meth:`EmbeddedEngine.release_memory` releases the storages of the
+pipeline's modules (:class:`~miles_core.memory.OffloadedStorages`: host copies, tensors
+kept) except those in :attr:`EmbeddedEngine.keep_on_release` (the modules a trainer in
+this process runs); until :meth:`EmbeddedEngine.resume_memory`, generation, weight updates
+and checksums raise :class:`~miles_core.errors.EngineReleasedError`.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.sampler import ConditioningCache, sample
 from miles_core.errors import (
+    EngineReleasedError,
     GenerationCancelled,
     LoraAdapterError,
     LoraAdapterMismatch,
@@ -28,6 +35,7 @@ from miles_core.errors import (
     WeightUpdateError,
 )
 from miles_core.family import ModelFamily
+from miles_core.memory import OffloadedStorages, module_tensors
 from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.sde import SdeBackend
 from miles_core.weights import load_component_from_disk, load_named_tensors, module_checksum
@@ -51,12 +59,18 @@ def installed_backends(extra: Mapping[str, type[SdeBackend]] | None = None) -> d
 
 
 class EmbeddedEngine(RolloutEngine):
+    releases_memory: ClassVar[bool] = True
+
     def __init__(self, family: ModelFamily, *, backends: Mapping[str, type[SdeBackend]] | None = None) -> None:
         self.family = family
         self.backends = dict(backends) if backends is not None else installed_backends()
         self._lock = threading.Lock()
         self.conditioning_cache = ConditioningCache()
         self._executor: ThreadPoolExecutor | None = None
+        self.keep_on_release: frozenset[str] = frozenset()
+        """Pipeline modules :meth:`release_memory` leaves resident: those a trainer in this
+        process runs while the engine is released (set by the run loop)."""
+        self._released: OffloadedStorages | None = None
 
     @classmethod
     def from_checkpoint(
@@ -96,6 +110,7 @@ class EmbeddedEngine(RolloutEngine):
         request = request.with_request_id()
         cancel = cancel if cancel is not None else _CANCEL.get()
         with self._lock:
+            self.require_resident("generate")
             try:
                 return sample(self.family, request, self.backends, self.conditioning_cache, cancel=cancel)
             except GenerationCancelled as exc:
@@ -126,6 +141,51 @@ class EmbeddedEngine(RolloutEngine):
             self._executor.shutdown(wait=False)
             self._executor = None
 
+    # -- memory ----------------------------------------------------------------------
+
+    def pipeline_modules(self) -> dict[str, torch.nn.Module]:
+        """Every module of the pipeline by component name (VAE, text encoders, the
+        transformers), the memory :meth:`release_memory` may release."""
+        return {name: value for name, value in self.family.pipeline.components.items() if isinstance(value, torch.nn.Module)}
+
+    @property
+    def memory_released(self) -> bool:
+        return self._released is not None
+
+    def require_resident(self, what: str) -> None:
+        """Raise :class:`~miles_core.errors.EngineReleasedError` while the memory is released."""
+        if self._released is not None:
+            raise EngineReleasedError(
+                f"engine: cannot {what} while its memory is released (release_memory_occupation); resume it first (resume_memory_occupation)"
+            )
+
+    def release_memory_sync(self) -> str:
+        """Release every pipeline module not in :attr:`keep_on_release` (waiting for the
+        request in progress); returns what was done."""
+        with self._lock:
+            if self._released is not None:
+                return "already released"
+            modules = self.pipeline_modules()
+            going = [m for name, m in modules.items() if name not in self.keep_on_release]
+            staying = [m for name, m in modules.items() if name in self.keep_on_release]
+            self._released = OffloadedStorages.offload(module_tensors(going), keep=module_tensors(staying))
+            return f"released {self._released.nbytes} bytes of {len(going)} module(s)"
+
+    def resume_memory_sync(self) -> str:
+        with self._lock:
+            if self._released is None:
+                return "already resident"
+            nbytes = self._released.nbytes
+            self._released.restore()
+            self._released = None
+            return f"restored {nbytes} bytes"
+
+    async def release_memory(self) -> str:
+        return await asyncio.to_thread(self.release_memory_sync)
+
+    async def resume_memory(self) -> str:
+        return await asyncio.to_thread(self.resume_memory_sync)
+
     # -- weights ---------------------------------------------------------------------
 
     def component(self, name: str) -> torch.nn.Module:
@@ -142,6 +202,7 @@ class EmbeddedEngine(RolloutEngine):
         names = list(module_names) if module_names else list(self.family.components())
         loaded = {}
         with self._lock:
+            self.require_resident("update weights")
             self.conditioning_cache.clear()
             for name in names:
                 folder = root / name
@@ -162,6 +223,7 @@ class EmbeddedEngine(RolloutEngine):
         With ``lora_config`` a module without an adapter first gets that one (see
         :meth:`ensure_lora_adapter`); a LoRA-only update needs the module to have one."""
         with self._lock:
+            self.require_resident("update weights")
             self.conditioning_cache.clear()
             module = self.component(module_name)
             if lora_config is not None:
@@ -208,11 +270,15 @@ class EmbeddedEngine(RolloutEngine):
             module.__dict__.pop("peft_config", None)
             module._hf_peft_config_loaded = False
             raise LoraAdapterError(f"{module_name}: cannot add the LoRA adapter: {exc}") from None
-        module.requires_grad_(False)
+        # The trainer's flags (base frozen, adapter trainable): torch picks some kernels by
+        # them even without autograd, so the engine then samples what the trainer computes.
+        for name, parameter in module.named_parameters():
+            parameter.requires_grad_("lora_" in name)
         return True
 
     def weights_checksum_sync(self, module_names: Iterable[str]) -> dict[str, str]:
         with self._lock:
+            self.require_resident("compute weight checksums")
             return {name: module_checksum(self.component(name)) for name in module_names}
 
     async def weights_checksum(self, module_names: Sequence[str]) -> dict[str, str]:

@@ -13,6 +13,11 @@ With ``fault_tolerance`` (``--use-fault-tolerance``) a
 :class:`~miles_core.engine.health.Supervisor` health-checks the servers: a request whose
 server dies or hangs is retried, unchanged, on a healthy one; weight updates skip servers
 that are down (they are re-synced by ``prepare`` before they serve again).
+
+``--offload-rollout``: :meth:`HttpEngine.release_memory` and
+:meth:`HttpEngine.resume_memory` post ``/release_memory_occupation`` and
+``/resume_memory_occupation`` to every server (``serve-engine``, or sglang-diffusion, which
+has them since 0.5.23); a server without them answers 404, reported with that hint.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import msgpack
@@ -44,6 +49,8 @@ _LOST = object()  # the answer of a server that went down during a weight reques
 
 
 class HttpEngine(RolloutEngine):
+    releases_memory: ClassVar[bool] = True
+
     def __init__(
         self,
         urls: str | Sequence[str],
@@ -186,14 +193,14 @@ class HttpEngine(RolloutEngine):
             self._check(url + path, status, raw)
             return json.loads(raw) if raw else None
 
-        urls = self._weight_urls()
+        urls = self.weight_urls()
         answers = await asyncio.gather(*(one(url) for url in urls))
         return {url: answer for url, answer in zip(urls, answers) if answer is not _LOST}
 
     def _distinct_urls(self) -> list[str]:
         return list(dict.fromkeys(self.urls))
 
-    def _weight_urls(self) -> list[str]:
+    def weight_urls(self) -> list[str]:
         """Where weight updates and checksum requests go: every server, or under fault
         tolerance every healthy one (the others are re-synced before they serve again)."""
         if self.supervisor is None:
@@ -300,6 +307,28 @@ class HttpEngine(RolloutEngine):
                 raise TimeoutError(f"engine servers not healthy after {timeout:g} s: {detail}")
             await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
+    async def release_memory(self) -> None:
+        await self._memory_occupation("/release_memory_occupation")
+
+    async def resume_memory(self) -> None:
+        await self._memory_occupation("/resume_memory_occupation")
+
+    async def _memory_occupation(self, path: str) -> None:
+        """Post ``path`` to every server; each must answer ``success``."""
+        try:
+            answers = await self._post_json_all(path, {})
+        except EngineRequestError as exc:
+            if exc.status == 404:
+                raise EngineRequestError(
+                    exc.url,
+                    404,
+                    f"{exc.message} (this server has no {path} endpoint: serve-engine or sglang-diffusion 0.5.23 or later has it)",
+                ) from None
+            raise
+        for url, answer in answers.items():
+            if not (isinstance(answer, dict) and answer.get("success")):
+                raise EngineRequestError(url + path, 200, f"the server did not succeed: {answer!r}")
+
     async def update_weights_from_disk(
         self, model_path: str, *, target_modules: Sequence[str] | None = None, flush_cache: bool = True
     ) -> dict[str, Any]:
@@ -338,7 +367,7 @@ class HttpEngine(RolloutEngine):
                 if other:
                     raise ValueError(f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
             payload = await asyncio.to_thread(_bucket_payload, module_name, bucket, lora_only, lora_config)
-            await asyncio.gather(*(self._send_bucket(url, payload) for url in self._weight_urls()))
+            await asyncio.gather(*(self._send_bucket(url, payload) for url in self.weight_urls()))
             count += len(bucket)
         return count
 

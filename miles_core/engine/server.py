@@ -16,6 +16,11 @@ Routes (docs/design.md, "The wire contract"):
   ``add_adapter``); one with another adapter answers 409.
 - ``POST /get_weights_checksum``: ``{"module_names": [...] | null}``; answers
   ``{name: sha256}`` as sglang-diffusion does (see :func:`miles_core.weights.module_checksum`).
+- ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` (no body, or
+  ``{}``), as sglang-diffusion names them: release the storages of every module of the
+  served pipeline (copied to host memory) and bring them back; each answers
+  ``{"success": true, "sleeping": bool, "message": ...}``, and asking twice is harmless.
+  While released, generation, weight updates and checksums answer 409 naming the state.
 
 A malformed or out-of-range request answers 400 with ``{"error": "<field>: <message>"}``;
 an unexpected failure answers 500 with the message. Either way the server keeps serving.
@@ -44,7 +49,14 @@ from aiohttp import web
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.limits import BODY_FLAG, DEFAULT_MAX_BODY_BYTES, RequestLimits, body_too_large
 from miles_core.engine.wire import pack_outputs
-from miles_core.errors import LoraAdapterError, LoraAdapterMismatch, RequestError, RequestLimitError, WeightUpdateError
+from miles_core.errors import (
+    EngineReleasedError,
+    LoraAdapterError,
+    LoraAdapterMismatch,
+    RequestError,
+    RequestLimitError,
+    WeightUpdateError,
+)
 from miles_core.request import RolloutRequest
 from miles_core.weights import bucket_from_bytes
 
@@ -146,6 +158,8 @@ def create_app(
             web.post("/update_weights_from_disk", _update_from_disk),
             web.post("/update_weights_from_tensor", _update_from_tensor),
             web.post("/get_weights_checksum", _checksum),
+            web.post("/release_memory_occupation", _release_memory),
+            web.post("/resume_memory_occupation", _resume_memory),
         ]
     )
     return app
@@ -203,6 +217,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return await handler(request)
     except BadRequest as exc:
         return _error(exc.status, str(exc))
+    except EngineReleasedError as exc:
+        return _error(409, str(exc))
     except RequestLimitError as exc:
         return _limit_error(exc)
     except RequestError as exc:
@@ -285,6 +301,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _generate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.require()
+    engine.require_resident("generate")  # before the body is read; a request racing a release fails in the engine
     rollout_request = RolloutRequest.from_json(await _json_body(request, state.max_generate_body_bytes, BODY_FLAG))
     rollout_request = rollout_request.with_request_id()  # the same id in the server's and the engine's logs
     # The family's own checks and defaults (cheap: no tensors), then the server's limits,
@@ -414,6 +431,22 @@ async def _checksum(request: web.Request) -> web.Response:
     names = _module_names(engine, body.get("module_names"), "module_names")
     checksums = await engine.weights_checksum(names)
     return web.json_response(checksums)
+
+
+async def _memory_occupation(request: web.Request, release: bool) -> web.Response:
+    engine = request.app[STATE].require()
+    if (await request.read()).strip() and _json_object(await _json_body(request)):
+        raise BadRequest("body", "takes no fields (send nothing, or {})")  # as sglang-diffusion's
+    message = await (engine.release_memory() if release else engine.resume_memory())
+    return web.json_response({"success": True, "sleeping": engine.memory_released, "message": message})
+
+
+async def _release_memory(request: web.Request) -> web.Response:
+    return await _memory_occupation(request, release=True)
+
+
+async def _resume_memory(request: web.Request) -> web.Response:
+    return await _memory_occupation(request, release=False)
 
 
 __all__ = ["DEFAULT_BUFFER_SIZE", "STATE", "BadRequest", "EngineState", "RunningServer", "create_app", "start_server"]

@@ -11,6 +11,11 @@ Layout of one checkpoint, ``root/iter_{rollout_id:07d}/``::
     rng.json / rng.safetensors      python, numpy, torch CPU (and CUDA) generator states
     extra.safetensors               only when ``extra`` holds tensors (an EMA shadow)
 
+A sharded checkpoint (full fine-tuning on several ranks,
+:mod:`~miles_core.training.sharded_checkpoint`) has no ``model/`` and no optimizer files:
+``dcp/`` holds every rank's shards of the weights, optimizer state and EMA, and
+``meta.json`` (format version 2) records them in its ``sharded`` record and manifest.
+
 and ``root/latest_checkpointed_iteration.txt`` holds the id of the newest complete one
 (the Megatron/Miles convention ``--ckpt-step`` defaults to).
 
@@ -19,12 +24,15 @@ Why this shape:
 * No pickle anywhere. Tensors go to safetensors and everything else to JSON, so loading
   a checkpoint can never execute code, and the files are readable by other tools.
 * World-size independence: the caller hands in full (gathered) tensors and nothing about
-  ranks or shards is recorded, so a run saved on 8 GPUs resumes on 1 and vice versa.
+  ranks or shards is recorded, so a run saved on 8 GPUs resumes on 1 and vice versa (a
+  sharded checkpoint reshards on load).
 * Atomicity: everything is written and fsynced in a hidden temporary sibling directory,
   which is renamed into place in one step; ``latest`` is replaced (temp file +
   ``os.replace``) only afterwards. A crash at any moment leaves ``latest`` pointing at a
   complete checkpoint; the leftovers are hidden ``.iter_*`` directories that the next
   save of the same id removes.
+* Rotation (``--save-keep-last``, :func:`rotate_checkpoints`) deletes old checkpoints only
+  after the new one is published, renaming each out of the way before removing it.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import random
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +56,11 @@ from safetensors.torch import load_file, save_file
 from miles_core.errors import CheckpointError
 
 FORMAT = "miles-core-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format this module reads: 1 (unsharded) or 2 (sharded, :mod:`~miles_core.training.sharded_checkpoint`)."""
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+SHARD_DIR = "dcp"
+"""The folder of a sharded checkpoint's DCP files inside its iteration directory."""
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Component names become file names; keep them to a safe, portable alphabet.
@@ -70,6 +81,9 @@ class Checkpoint:
     rng_state: dict[str, Any]
     extra: dict[str, Any]
     path: Path | None = None
+    sharded: dict[str, Any] | None = None
+    """``meta.json``'s ``sharded`` record when the weights, optimizer state and EMA are in
+    ``path / "dcp"`` (``model_state`` is then empty and ``optimizer_state`` None)."""
 
 
 # ---------------------------------------------------------------------------- JSON codec
@@ -291,6 +305,26 @@ def _remove_tree(path: Path) -> None:
 # ---------------------------------------------------------------------------- save
 
 
+def new_temporary(root: Path, rollout_id: int) -> Path:
+    """Create the hidden temporary directory a save of ``rollout_id`` writes into
+    (removing the debris of an earlier crashed save of that id); it becomes
+    ``iter_{rollout_id:07d}`` when :func:`save_checkpoint` publishes it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = iteration_dir(root, int(rollout_id))
+    # Only this id: another id's temporary directory may belong to a save still running elsewhere.
+    for stale in root.glob(f".{final.name}.tmp-*"):
+        _remove_tree(stale)
+    tmp = root / f".{final.name}.tmp-{secrets.token_hex(4)}"  # secrets, not random: the RNG state is being saved
+    tmp.mkdir()
+    return tmp
+
+
+def discard_temporary(tmp: Path) -> None:
+    """Remove a temporary directory of :func:`new_temporary` whose save failed."""
+    _remove_tree(Path(tmp))
+
+
 def save_checkpoint(
     root: Path,
     rollout_id: int,
@@ -299,6 +333,8 @@ def save_checkpoint(
     optimizer_state: Mapping[str, Any] | None,
     rng_state: Mapping[str, Any],
     extra: Mapping[str, Any],
+    temporary: Path | None = None,
+    sharded: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``root/iter_{rollout_id:07d}/`` atomically, then point
     ``root/latest_checkpointed_iteration.txt`` at it; return the checkpoint directory.
@@ -310,6 +346,11 @@ def save_checkpoint(
         rng_state: :func:`capture_rng`.
         extra: JSON-like values (optimizer_steps, use_lora, ...); tensors inside, such as
             an ``EMA.state_dict()``, go to ``extra.safetensors``.
+        temporary: a directory of :func:`new_temporary` that already holds files (the
+            ranks' shards); the save writes into it and publishes it.
+        sharded: the :class:`~miles_core.training.sharded_checkpoint.ShardedPart` record
+            of the shards in ``temporary`` (its files join the manifest); ``model_state``
+            and ``optimizer_state`` are then empty.
 
     An existing checkpoint of the same id is replaced: the new one is complete on disk
     before the old one is renamed away, and the old one is deleted only once the new one
@@ -332,24 +373,22 @@ def save_checkpoint(
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_structure = _encode(dict(extra), "", extra_tensors)
 
-    root.mkdir(parents=True, exist_ok=True)
+    if sharded is not None and (temporary is None or model_state or optimizer_state is not None):
+        raise ValueError("save_checkpoint: a sharded save passes its temporary directory and no model or optimizer state")
     final = iteration_dir(root, rollout_id)
-    # Debris of an earlier crashed save of this id (only this id: another id's temporary
-    # directory may belong to a save still running elsewhere).
-    for stale in root.glob(f".{final.name}.tmp-*"):
-        _remove_tree(stale)
-    tmp = root / f".{final.name}.tmp-{secrets.token_hex(4)}"  # secrets, not random: the RNG state is being saved
-    tmp.mkdir()
+    tmp = Path(temporary) if temporary is not None else new_temporary(root, rollout_id)
     old: Path | None = None
     try:
         files: list[str] = []
-        (tmp / "model").mkdir()
+        if sharded is None:
+            (tmp / "model").mkdir()
         for name, tensors in model_state.items():
             cpu = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
             write_tensors(tmp / "model" / f"{name}.safetensors", cpu)
             del cpu  # one component's copy in memory at a time
             files.append(f"model/{name}.safetensors")
-        _fsync_path(tmp / "model", directory=True)
+        if sharded is None:
+            _fsync_path(tmp / "model", directory=True)
         if optimizer_state is not None:
             opt_tensors, opt_structure = optimizer_state_to_tensors(optimizer_state)
             write_tensors(tmp / "optimizer.safetensors", opt_tensors)
@@ -363,13 +402,17 @@ def save_checkpoint(
             files.append("extra.safetensors")
         meta = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": 1 if sharded is None else 2,
             "rollout_id": rollout_id,
-            "components": list(model_state),
-            "has_optimizer": optimizer_state is not None,
+            "components": list(model_state) if sharded is None else list(sharded["components"]),
+            "has_optimizer": optimizer_state is not None if sharded is None else sharded.get("optimizer") is not None,
             "extra": extra_structure,
             "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files},
         }
+        if sharded is not None:
+            # The ranks hashed their own files; the driver does not read the shards.
+            meta["files"].update(sharded["files"])
+            meta["sharded"] = {k: v for k, v in sharded.items() if k != "files"}
         _write_json(tmp / "meta.json", meta)  # last: a directory with meta.json has all its files
         _fsync_path(tmp, directory=True)
 
@@ -540,10 +583,10 @@ def load_checkpoint(root: Path, step: int | None = None, *, verify: bool = True)
 
     model_state = {
         name: _load_tensors(directory / "model" / f"{name}.safetensors", files.get(f"model/{name}.safetensors"), verify)
-        for name in meta.get("components", [])
+        for name in ([] if "sharded" in meta else meta.get("components", []))
     }
     optimizer_state = None
-    if meta.get("has_optimizer"):
+    if meta.get("has_optimizer") and "sharded" not in meta:
         opt_tensors = _load_tensors(directory / "optimizer.safetensors", files.get("optimizer.safetensors"), verify)
         opt_structure = _load_json(directory / "optimizer.json", files.get("optimizer.json"), verify)
         optimizer_state = _decode(opt_structure, opt_tensors, directory / "optimizer.json")
@@ -553,6 +596,11 @@ def load_checkpoint(root: Path, step: int | None = None, *, verify: bool = True)
     if "extra.safetensors" in files:
         extra_tensors = _load_tensors(directory / "extra.safetensors", files["extra.safetensors"], verify)
     extra = _decode(meta.get("extra", {}), extra_tensors, directory / "meta.json")
+    sharded = None
+    if "sharded" in meta:
+        if not isinstance(meta["sharded"], dict):
+            raise CheckpointError(f"{directory / 'meta.json'}: malformed 'sharded' record")
+        sharded = {**meta["sharded"], "files": {k: v for k, v in files.items() if k.startswith(f"{SHARD_DIR}/")}}
     return Checkpoint(
         rollout_id=int(step),
         model_state=model_state,
@@ -560,6 +608,7 @@ def load_checkpoint(root: Path, step: int | None = None, *, verify: bool = True)
         rng_state=rng_state,
         extra=extra,
         path=directory,
+        sharded=sharded,
     )
 
 
@@ -580,6 +629,39 @@ def read_extra(root: Path, step: int | None = None) -> dict[str, Any] | None:
     return {k: _decode(v, {}, directory / "meta.json") for k, v in extra.items() if not _holds_tensor(v)}
 
 
+def rotate_checkpoints(root: Path, keep: int, *, newest: int, protect: Iterable[int] = ()) -> list[int]:
+    """``--save-keep-last``: delete the complete checkpoints under ``root`` older than the
+    ``keep`` newest of those up to ``newest`` (the one just published); return their ids.
+
+    ``newest`` itself and the ids in ``protect`` (the checkpoint the run resumed from) are
+    never deleted, nor are checkpoints above ``newest`` (left by an earlier run that went
+    further; ``latest`` no longer names them). Call it only after ``newest`` is published.
+    Each checkpoint is first renamed to a hidden ``.iter_*.del-*`` name, which no reader
+    takes for a checkpoint, then removed; the debris of an interrupted deletion goes on the
+    next call."""
+    if keep < 1:
+        raise ValueError(f"rotate_checkpoints: keep must be >= 1, got {keep}")
+    root = Path(root)
+    for debris in root.glob(".iter_*.del-*"):
+        _remove_tree(debris)
+    ids = [i for i in available_iterations(root) if i <= newest]
+    kept = set(ids[-keep:]) | {int(newest)} | {int(i) for i in protect}
+    deleted: list[int] = []
+    for rollout_id in ids:
+        if rollout_id in kept:
+            continue
+        final = iteration_dir(root, rollout_id)
+        for directory in [final, *sorted(root.glob(f".{final.name}.old-*"))]:
+            if directory.exists():
+                trash = root / f".{final.name}.del-{secrets.token_hex(4)}"
+                os.rename(directory, trash)
+                _remove_tree(trash)
+        deleted.append(rollout_id)
+    if deleted:
+        _fsync_path(root, directory=True)
+    return deleted
+
+
 def _holds_tensor(obj: Any) -> bool:
     if isinstance(obj, list):
         return any(_holds_tensor(v) for v in obj)
@@ -592,17 +674,21 @@ __all__ = [
     "FORMAT_VERSION",
     "LATEST_FILE",
     "Checkpoint",
+    "SHARD_DIR",
     "CheckpointError",
     "available_iterations",
     "capture_rng",
+    "discard_temporary",
     "iteration_dir",
     "latest_iteration",
     "load_checkpoint",
     "load_trainer_optimizer_state",
+    "new_temporary",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
     "read_extra",
     "restore_rng",
+    "rotate_checkpoints",
     "save_checkpoint",
     "trainer_optimizer_state",
 ]

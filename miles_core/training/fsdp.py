@@ -11,14 +11,27 @@ loads the model family and builds a :class:`~miles_core.training.trainer.Trainer
   unsharded on every rank, they are only read. Frozen weights *inside* a trained
   component (LoRA's base weights) are sharded with it, like the reference.
 - The mesh is 1-D over the world, or 2-D ``(dp_replicate, dp_shard)`` =
-  (``--dp-replicate-size``, world / replicate) for hybrid sharding (HSDP).
+  (``--dp-replicate-size``, world / replicate) for hybrid sharding (HSDP). With
+  ``--sequence-parallel-size`` > 1 the shard dimension also spans the sequence-parallel
+  ranks, and diffusers' context parallelism is set up on the components first
+  (:mod:`miles_core.training.sequence_parallel`).
 - ``MixedPrecisionPolicy(param_dtype=--diffusion-forward-dtype,
-  reduce_dtype=--fsdp-reduce-dtype)``. The trainable parameters are cast to
-  ``--fsdp-master-dtype`` before sharding, so the sharded (master) weights and the
-  optimizer state are kept in that dtype while the forward runs in the forward dtype.
-
-``--fsdp-master-dtype`` takes effect only here: a single-process trainer (world size 1)
-keeps the trainable parameters and the optimizer state in the forward dtype, as before.
+  reduce_dtype=--fsdp-reduce-dtype, cast_forward_inputs=False)``. The trainable
+  parameters are cast to ``--fsdp-master-dtype`` before sharding, so the sharded (master)
+  weights and the optimizer state are kept in that dtype while the forward runs in the
+  forward dtype. The inputs are left to the family (the timestep stays fp32, as in one
+  process). A single-process trainer keeps the same master dtype with master copies
+  (:mod:`miles_core.training.master_weights`), and equals two ranks to rounding.
+- ``--fsdp-cpu-offload``: FSDP2's ``CPUOffloadPolicy`` (:func:`offload_policy`; pinned
+  host memory only with CUDA, pinning needs its runtime). The shards, their gradients
+  and the optimizer state live in CPU memory; FSDP2 copies each block's shards to the
+  mesh's device for the all-gather and copies the reduced gradients back, and the
+  optimizer step and clipping run on the CPU. The collectives over those CPU tensors
+  (the gradient norm's all-reduce, ``full_tensor`` for checkpoints) run on the mesh's
+  groups, so an nccl group is joined as ``cpu:<--fsdp-cpu-backend>,cuda:nccl``
+  (:func:`group_backend`, through :func:`init_from_config`); :func:`shard_modules`
+  refuses a group without a CPU side. On a CPU mesh (gloo) the offload changes FSDP2's
+  copy path only: a two-rank run trains bit for bit as without it.
 
 What is the same as world size 1, given the same rollout (every rank is given the whole
 rollout, samples and advantages, and takes its ``--train-dp-split-mode`` share):
@@ -56,10 +69,11 @@ construction, ``train_rollout`` / ``train_nft`` / ``train_sft``, ``trainable_sta
 ``ema.state_dict`` and ``ema.load_state_dict``, and any forward of a sharded component
 (so an engine cannot run the sharded modules on one rank alone).
 
-Checkpoints hold full tensors (:meth:`Trainer.trainable_state`,
+LoRA checkpoints hold full tensors (:meth:`Trainer.trainable_state`,
 :meth:`Trainer.optimizer_state`, ``EMA.state_dict``), index-keyed like
 ``optimizer.state_dict()`` at world size 1, so a run saved at one world size resumes at
-another. Per-rank RNG: :func:`rank_rng_state` on each rank (the driver saves the list,
+another; full fine-tuning saves each rank's shards instead, nothing gathered
+(:mod:`~miles_core.training.sharded_checkpoint`, also loadable at any world size). Per-rank RNG: :func:`rank_rng_state` on each rank (the driver saves the list,
 ``extra["rank_rng"]``), :func:`restore_rank_rng` puts back rank ``r``'s state when the
 world size matches and otherwise reseeds each rank from ``(--seed, rank)``. The
 trainer's own draws (nft and SFT noise, permutations) never use these global
@@ -76,6 +90,8 @@ from typing import Any
 
 import torch
 
+from miles_core.config.fsdp_offload import CPU_BACKENDS
+
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 
 
@@ -91,13 +107,16 @@ def init_process_group(
     backend: str = "gloo",
     timeout_minutes: float = 10,
     device: Any = None,
+    cpu_backend: str | None = None,
 ) -> None:
     """Join the training ranks' process group (``tcp://master_addr:master_port``).
 
     ``backend`` is ``--distributed-backend`` (gloo on CPU, nccl on GPU; nccl sets the
     CUDA device first: ``device``, default the current one), ``timeout_minutes``
-    ``--distributed-timeout-minutes``. Calling it again with the same rank, world size
-    and backend is a no-op; anything else while a group exists is an error."""
+    ``--distributed-timeout-minutes``. ``cpu_backend`` (``--fsdp-cpu-backend`` under
+    ``--fsdp-cpu-offload``) serves the collectives on CPU tensors of an nccl group
+    (:func:`group_backend`). Calling it again with the same rank, world size and
+    backend is a no-op; anything else while a group exists is an error."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -110,9 +129,10 @@ def init_process_group(
         raise ValueError(f"master port {master_port} is not a TCP port (1-65535)")
     if not timeout_minutes or timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {timeout_minutes}: must be positive")
+    composed = group_backend(backend, cpu_backend)
     if dist.is_initialized():
         current = (dist.get_rank(), dist.get_world_size(), dist.get_backend())
-        if current == (int(rank), int(world_size), backend):
+        if current == (int(rank), int(world_size), composed):
             return
         raise RuntimeError(
             f"a process group already exists here (rank {current[0]} of {current[1]}, {current[2]}); "
@@ -125,7 +145,7 @@ def init_process_group(
     host = f"[{master_addr}]" if ":" in str(master_addr) and not str(master_addr).startswith("[") else master_addr
     try:
         dist.init_process_group(
-            backend,
+            composed,
             init_method=f"tcp://{host}:{int(master_port)}",
             rank=int(rank),
             world_size=int(world_size),
@@ -133,14 +153,38 @@ def init_process_group(
         )
     except Exception as exc:  # the store and backends raise assorted types; one line names the setup
         raise RuntimeError(
-            f"joining the process group failed (rank {rank} of {world_size}, {backend}, tcp://{host}:{master_port}): "
+            f"joining the process group failed (rank {rank} of {world_size}, {composed}, tcp://{host}:{master_port}): "
             f"{type(exc).__name__}: {exc}".replace("\n", " ")
         ) from exc
 
 
+def group_backend(backend: str, cpu_backend: str | None) -> str:
+    """The backend string of the training process group: ``backend`` alone, or, for an
+    nccl group with a CPU backend, ``cpu:<cpu_backend>,cuda:nccl``: one group whose
+    collectives on CUDA tensors run on nccl and those on CPU tensors on ``cpu_backend``.
+    FSDP2's CPU offload needs the latter: its shards, gradients and optimizer state are
+    CPU tensors, and the collectives over them (the gradient norm that clipping
+    all-reduces, the full tensors of checkpoints) run on the mesh's groups, which inherit
+    this backend. A gloo group runs every collective on CPU already, so ``cpu_backend``
+    must be gloo (or None) there."""
+    if cpu_backend is None:
+        return backend
+    if cpu_backend not in CPU_BACKENDS:
+        raise ValueError(f"--fsdp-cpu-backend {cpu_backend}: must be one of {', '.join(CPU_BACKENDS)} (a backend for CPU tensors)")
+    if backend == "nccl":
+        return f"cpu:{cpu_backend},cuda:nccl"
+    if cpu_backend != backend:
+        raise ValueError(
+            f"--fsdp-cpu-backend {cpu_backend} with --distributed-backend {backend}: a {backend} group runs the "
+            f"CPU collectives itself; use --fsdp-cpu-backend {backend}"
+        )
+    return backend
+
+
 def init_from_config(config: Any, rank: int, *, master_addr: str, master_port: int, device: Any = None) -> None:
-    """:func:`init_process_group` with ``config.world_size``, ``--distributed-backend``
-    and ``--distributed-timeout-minutes``."""
+    """:func:`init_process_group` with ``config.world_size``, ``--distributed-backend``,
+    ``--distributed-timeout-minutes`` and, under ``--fsdp-cpu-offload``,
+    ``--fsdp-cpu-backend``."""
     init_process_group(
         rank,
         config.world_size,
@@ -149,6 +193,7 @@ def init_from_config(config: Any, rank: int, *, master_addr: str, master_port: i
         backend=config.distributed_backend,
         timeout_minutes=config.distributed_timeout_minutes,
         device=device,
+        cpu_backend=config.fsdp_cpu_backend if getattr(config, "fsdp_cpu_offload", False) else None,
     )
 
 
@@ -192,10 +237,34 @@ def build_mesh(config: Any, device_type: str) -> Any:
 
 
 def mixed_precision(config: Any) -> Any:
-    """``MixedPrecisionPolicy(param_dtype=--diffusion-forward-dtype, reduce_dtype=--fsdp-reduce-dtype)``."""
+    """``MixedPrecisionPolicy(param_dtype=--diffusion-forward-dtype, reduce_dtype=--fsdp-reduce-dtype)``,
+    without FSDP2's cast of the forward's floating-point inputs: the families cast their
+    inputs themselves and keep the timestep in fp32 (as the pipelines and the engine do);
+    a bf16 timestep would make the sharded forward differ from the one-process one."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=_dtype(config.diffusion_forward_dtype), reduce_dtype=_dtype(config.fsdp_reduce_dtype))
+    return MixedPrecisionPolicy(
+        param_dtype=_dtype(config.diffusion_forward_dtype),
+        reduce_dtype=_dtype(config.fsdp_reduce_dtype),
+        cast_forward_inputs=False,
+    )
+
+
+def offload_policy(config: Any) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` under ``--fsdp-cpu-offload`` (pinned host memory when
+    CUDA is present: pinning needs a CUDA runtime), else the no-offload ``OffloadPolicy``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if getattr(config, "fsdp_cpu_offload", False):
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return OffloadPolicy()
+
+
+def has_cpu_collectives(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend()``'s string) can run
+    collectives on CPU tensors."""
+    parts = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {"cpu": backend}
+    return parts.get("cpu") in CPU_BACKENDS
 
 
 def blocks_of(module: torch.nn.Module, family: Any = None, component: str | None = None) -> list[torch.nn.Module]:
@@ -223,32 +292,47 @@ def blocks_of(module: torch.nn.Module, family: Any = None, component: str | None
 
 def shard_modules(modules: Mapping[str, torch.nn.Module], config: Any, family: Any, *, dp_rank: int) -> Any:
     """Cast the trainable parameters to ``--fsdp-master-dtype`` and apply ``fully_shard``
-    to each component's blocks and then the component; return the mesh. Collective."""
+    (with :func:`mixed_precision` and :func:`offload_policy`) to each component's blocks
+    and then the component; return the mesh. Collective."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != int(config.data_parallel_size):
+    if world != int(config.world_size):
         raise ValueError(
-            f"the process group has {world} ranks but the configuration's data-parallel size is "
-            f"{config.data_parallel_size} (--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"the process group has {world} ranks but the configuration's train world size is "
+            f"{config.world_size} (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
-    if int(getattr(config, "sequence_parallel_size", 1) or 1) != 1:
-        raise ValueError(f"--sequence-parallel-size {config.sequence_parallel_size}: sequence parallelism is not in this version")
     if dp_rank != rank:
         raise ValueError(f"Trainer(dp_rank={dp_rank}) in the process group's rank {rank}: pass the rank as dp_rank")
     device = getattr(family, "device", torch.device("cpu"))
-    mesh = build_mesh(config, torch.device(device).type)
+    sequence_parallel = None
+    if int(getattr(config, "sequence_parallel_size", 1) or 1) > 1:
+        from miles_core.training import sequence_parallel
+
+        layout = sequence_parallel.layout_from_config(config, rank)
+        world_mesh, mesh = sequence_parallel.build_meshes(layout, torch.device(device).type)
+    else:
+        mesh = build_mesh(config, torch.device(device).type)
     policy = mixed_precision(config)
+    offload = offload_policy(config)
+    if getattr(config, "fsdp_cpu_offload", False) and not has_cpu_collectives(str(dist.get_backend())):
+        raise ValueError(
+            f"--fsdp-cpu-offload: the process group's backend {dist.get_backend()} has none for CPU tensors, which the "
+            "offloaded shards' collectives need; join it with init_from_config (cpu:<--fsdp-cpu-backend>,cuda:nccl)"
+        )
     master = _dtype(config.fsdp_master_dtype)
     same_starting_weights(modules)
+    if sequence_parallel is not None:
+        # Hooks and processors on the plain modules, before fully_shard wraps them.
+        sequence_parallel.apply_context_parallel(modules, family, config, layout, world_mesh)
     for name, module in modules.items():
         for parameter in module.parameters():
             if parameter.requires_grad and parameter.dtype != master:
                 parameter.data = parameter.data.to(master)
         for block in blocks_of(module, family, name):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
     return mesh
 
 
@@ -458,6 +542,8 @@ __all__ = [
     "distribute_like",
     "full_optimizer_state",
     "full_tensor",
+    "group_backend",
+    "has_cpu_collectives",
     "init_from_config",
     "init_process_group",
     "is_active",
@@ -465,6 +551,7 @@ __all__ = [
     "load_full_optimizer_state",
     "load_full_tensors",
     "mixed_precision",
+    "offload_policy",
     "rank_rng_state",
     "restore_rank_rng",
     "same_starting_weights",

@@ -1,6 +1,8 @@
 """The reinforcement-learning loop (Flow-GRPO, DiffusionNFT and any loss that trains on
 rollouts): per rollout, generate (or replay saved rollouts) while scoring, filter,
-compute advantages, train, sync the weights to a remote engine, evaluate."""
+compute advantages, train, sync the weights to a remote engine, evaluate. With
+``--offload-train`` / ``--offload-rollout`` the trainer and the engine take turns
+(:mod:`miles_core.training.offload`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from miles_core.config.model import Config
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.errors import RunError
+from miles_core.training.offload import TurnTaking
 from miles_core.training.rollout_scoring import RolloutSource
 from miles_core.training.run_context import RunContext
 
@@ -42,12 +45,27 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     # One sync at a time: a restarted engine's re-sync that overlapped a regular sync could
     # miss the regular one (it goes to healthy engines only) and rejoin with old weights.
     sync_lock = asyncio.Lock()
+    # --offload-train / --offload-rollout: each phase takes its turn (no engine, no turns).
+    turns = None if replay else TurnTaking.from_run(config, trainer, engine, run.on_phase)
+    run.turns = turns
+
+    async def turn(phase: str) -> None:
+        if turns is not None:
+            await turns.enter(phase)
+
+    # Training ranks on Ray send the weights themselves (the driver holds none), the EMA
+    # swapped in on the ranks under --ema-rollout-policy ema.
+    ranks_sync = getattr(trainer, "sync_to_engine", None)
+    ema_policy = config.ema_rollout_policy == "ema"
 
     async def sync_weights(pending: dict[str, float]) -> dict[str, float]:
         """Sync to a remote engine; a record's sync metrics add up the syncs since the last one."""
         async with sync_lock:
-            with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
-                synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
+            if ranks_sync is not None:
+                synced = (await ranks_sync(engine, ema=ema_policy)).metrics()
+            else:
+                with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
+                    synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
         return {key: pending.get(key, 0) + value for key, value in synced.items()}
 
     supervisor = getattr(engine, "supervisor", None) if remote else None  # --use-fault-tolerance
@@ -56,14 +74,19 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
         async def resync(url: str) -> None:
             """A restarted (or re-admitted) engine gets the weights of the last sync, checksums
             checked, before it serves again."""
-            async with sync_lock:
-                # Copied at once, inside the EMA swap: the re-sync runs in the background and
-                # the trainer may train (or swap) while it sends.
-                with policy_weights():
-                    weights = snapshot_weights(trainer.modules, config)
+            async with sync_lock, turns.trainer_resident():  # an offloaded trainer comes back for the copy
                 one = engine.view(url)
                 try:
-                    await sync_to_engine(one, weights, config)
+                    if ranks_sync is not None:
+                        # The ranks run one call at a time: they send the weights they hold
+                        # when the call reaches them (training, if running, finishes first).
+                        await ranks_sync(one, ema=ema_policy)
+                    else:
+                        # Copied at once, inside the EMA swap: the re-sync runs in the
+                        # background and the trainer may train (or swap) while it sends.
+                        with policy_weights():
+                            weights = snapshot_weights(trainer.modules, config)
+                        await sync_to_engine(one, weights, config)
                 finally:
                     await one.close()
 
@@ -79,6 +102,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
             return delta
 
     # A remote engine starts from the trainer's weights (checkpoint, LoRA, or a resumed run's).
+    await turn("sync")
     pending_sync = await sync_weights({}) if remote else {}
     weights_change = not (config.debug_skip_optimizer_step or config.debug_rollout_only)
     rollouts = None if replay else RolloutSource(config, engine, data_source, progress, total, run.scorer)
@@ -93,6 +117,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     columns = config.n_samples_per_eval_prompt
 
     async def evaluate(tag: str, rollout_id: int) -> dict[str, Any]:
+        await turn("eval")
         with engine_weights():
             result = await evaluator.evaluate(rollout_id)
         metrics = dict(result.metrics)
@@ -123,10 +148,12 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
         else:
             # Scoring starts as each microgroup returns (unless --no-streaming-reward) and
             # goes on while the rest generates; score() waits for what is left.
+            await turn("rollout")
             with engine_weights():
                 samples = await rollouts.generate(rollout_id)
             generated = time.perf_counter()
             rewards, reward_metrics, reward_busy = await rollouts.score(samples)
+            await turn("train")
             if config.save_debug_rollout_data:
                 save_rollout_data(config.save_debug_rollout_data, rollout_id, samples, rewards)
         kept = await filters.apply(rollout_id, samples)
@@ -153,6 +180,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
                     config.save_debug_train_data, rollout_id, train_samples, train_rewards, advantages, trainer.last_pairs, metrics
                 )
         trained = time.perf_counter()
+        await turn("sync")  # the engine resumes (and takes the weights) before the next generation
         if remote:
             if weights_change and trains:
                 pending_sync = await sync_weights(pending_sync)
@@ -193,6 +221,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
         if evaluator is not None and ((rollout_id + 1) % config.eval_interval == 0 or rollout_id + 1 == total):
             metrics.update(await evaluate(f"{rollout_id + 1:05d}", rollout_id))
         yield metrics, logged_samples
+    await turn("done")
 
 
 def rollout_policy_weights(config: Config, trainer: Any) -> Callable[[], Any]:

@@ -35,7 +35,7 @@ from miles_core.specs import LossSpec
 from miles_core.training.loops import rollouts, rolls_out
 from miles_core.training.run_context import RunContext
 from miles_core.training.run_directory import output_directory, save_weights
-from miles_core.training.run_engine import create_run_engine, start_fleet, starts_fleet
+from miles_core.training.run_engine import create_run_engine, start_fleet, started_servers
 from miles_core.training.run_state import restore_run_state, save_run_state
 from miles_core.training.run_summary import final_summary, rollout_line
 
@@ -94,13 +94,15 @@ async def prepare_run(
     cluster: Any = None,
     engine_factory: EngineFactory | None = None,
     progress: bool | None = None,
+    on_phase: Callable[[str, Any], None] | None = None,
 ) -> RunContext:
     """Build a run: load its data, engine and trainer, restore ``--load``, create its
     directory (writing ``config.yaml``) and start the servers it owns. Nothing is
     generated or trained yet. ``cluster``: a started Ray session
     (:class:`~miles_core.cluster.session.RaySession`) whose ranks train and whose actors
     serve; ``engine_factory`` replaces :func:`~.run_engine.create_run_engine`; ``progress``:
-    progress bars on or off (default: when stderr is a terminal)."""
+    progress bars on or off (default: when stderr is a terminal); ``on_phase``: see
+    :attr:`RunContext.on_phase <miles_core.training.run_context.RunContext.on_phase>`."""
     import yaml
 
     from miles_core.config.document import config_document
@@ -143,20 +145,24 @@ async def prepare_run(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     generates = not (supervised or config.train_only or replay)
-    # --rollout-num-engines: the run starts its engine servers once its output folder exists.
-    own_fleet = generates and starts_fleet(config)
+    # --rollout-num-engines (and the embedded engine under --use-ray): the run starts its
+    # engine servers once its output folder exists.
+    own_fleet = generates and started_servers(config) > 0
     engine = (engine_factory or create_run_engine)(config) if generates and not own_fleet else None
     fleet = None
     try:
-        # The embedded engine shares its modules with the trainer; a remote one gets weight
-        # syncs; with no engine (SFT, a replay) the trainer loads the family itself.
-        family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
-        trainer = build_trainer(config, family, spec)
-        if cluster is not None:  # the ranks train; this trainer becomes their mirror
+        if cluster is not None:
+            # The ranks load the model and train; the driver holds none of it (the embedded
+            # engine runs on an actor of its own, synced from the ranks).
             try:
-                trainer = cluster.wrap_trainer(trainer)
+                trainer = cluster.start_trainer()
             except ValueError as exc:
                 raise RunError(str(exc)) from None
+        else:
+            # The embedded engine shares its modules with the trainer; a remote one gets
+            # weight syncs; with no engine (SFT, a replay) the trainer loads the family itself.
+            family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
+            trainer = build_trainer(config, family, spec)
         resumed = restore_run_state(config, trainer, data_source)
         start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
         out = output_directory(config, start if resumed is not None else None)
@@ -183,10 +189,12 @@ async def prepare_run(
         data_source=data_source,
         rows=records if supervised else [],
         resumed=resumed is not None,
+        resumed_from=None if resumed is None else resumed - 1,
         progress=Progress(enabled=progress),
         scorer=cluster.reward_scorer() if cluster is not None and generates else None,
         fleet=fleet,
         log=log,
+        on_phase=on_phase,
     )
 
 
@@ -196,14 +204,15 @@ async def train(
     log: Log = _stderr,
     cluster: Any = None,
     engine_factory: EngineFactory | None = None,
+    on_phase: Callable[[str, Any], None] | None = None,
 ) -> Path:
-    """Run the training loop; return the run directory. ``cluster`` and
-    ``engine_factory``: see :func:`prepare_run`."""
+    """Run the training loop; return the run directory. ``cluster``, ``engine_factory``
+    and ``on_phase``: see :func:`prepare_run`."""
     from miles_core.config.document import config_document
     from miles_core.training.ci_check import check_ci_metric
     from miles_core.training.metrics_logging import metrics_logger
 
-    run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory)
+    run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
     out = run.out
     first: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
@@ -222,7 +231,9 @@ async def train(
                 rollout_id = metrics["rollout_id"]
                 last = rollout_id + 1 == run.total
                 if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
-                    save_run_state(config, run.trainer, rollout_id, run.data_source, run.schedule)
+                    if run.turns is not None:  # --offload-train: the trainer's state comes back for the save
+                        await run.turns.enter("checkpoint")
+                    save_run_state(config, run.trainer, rollout_id, run.data_source, run.schedule, resumed_from=run.resumed_from)
             failed = False
         except EngineRequestError as exc:  # an engine died or refused: one line naming its URL
             raise RunFailedError(f"rollout engine failed: {' '.join(str(exc).split())}") from None

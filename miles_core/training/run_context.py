@@ -24,7 +24,7 @@ class RunContext:
 
     config: Config
     trainer: Any
-    """The :class:`~miles_core.training.trainer.Trainer` (or, under Ray, the mirror of its ranks)."""
+    """The :class:`~miles_core.training.trainer.Trainer` (or, under Ray, the driver-side handle of its ranks, which holds no weights)."""
     loss_spec: Any
     """The :class:`~miles_core.specs.LossSpec` of ``--loss-type``: what the run trains on."""
     schedule: Any
@@ -43,12 +43,22 @@ class RunContext:
     """The supervised rows of an SFT run."""
     resumed: bool = False
     """Whether a checkpoint was restored."""
+    resumed_from: int | None = None
+    """The id of the restored checkpoint, which ``--save-keep-last`` never deletes."""
     progress: Any = None
     """Progress bars (:class:`~miles_core.training.metrics_logging.Progress`); None: none."""
     scorer: Any = None
     """The reward: None builds a :class:`~miles_core.training.rewards.RewardScorer` here."""
     fleet: Any = None
     """The engine servers this run started (``--rollout-num-engines``), stopped by :meth:`close`."""
+    turns: Any = None
+    """The turn-taking of ``--offload-train`` / ``--offload-rollout``
+    (:class:`~miles_core.training.offload.TurnTaking`), set by the RL loop; a checkpoint is
+    written in its ``checkpoint`` turn. None: no turns (SFT, a replay)."""
+    on_phase: Callable[[str, Any], None] | None = None
+    """Called as ``(phase, report)`` at each phase of :data:`~miles_core.training.offload.PHASES`
+    the RL loop enters, once its turn is taken, with this process's memory audit there
+    (a :class:`~miles_core.memory.MemoryReport`, :func:`~miles_core.training.offload.run_memory_report`)."""
     log: Callable[[str], None] = print
 
     async def close(self) -> None:

@@ -35,10 +35,14 @@ def output_directory(config: Config, resume_from: int | None) -> Path:
 
 def save_weights(config: Config, trainer: Any, out: Path) -> None:
     """The trained weights in a form plain diffusers loads: a LoRA (``out/lora``) or the
-    full components (``out/model/<component>``)."""
+    full components (``out/model/<component>``). Training ranks on Ray write them
+    themselves (:mod:`~miles_core.training.final_weights`)."""
     if config.debug_skip_optimizer_step or config.debug_rollout_only:
         return
-    if config.use_lora:
+    ranks_write = getattr(trainer, "save_weights", None)
+    if callable(ranks_write):
+        ranks_write(out)
+    elif config.use_lora:
         trainer.family.save_lora(out / "lora", trainer.modules)
     else:
         for name, module in trainer.modules.items():

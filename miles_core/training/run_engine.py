@@ -18,6 +18,20 @@ def starts_fleet(config: Config) -> bool:
     return config.rollout_engine == "http" and not config.rollout_engine_urls and bool(config.get("rollout_num_engines"))
 
 
+def hosts_embedded(config: Config) -> bool:
+    """Under ``--use-ray`` the embedded engine runs on an actor of its own, as an HTTP
+    server the run starts, rather than in the driver."""
+    return bool(config.get("use_ray")) and config.rollout_engine == "embedded"
+
+
+def started_servers(config: Config) -> int:
+    """How many engine servers the run starts: ``--rollout-num-engines`` for a fleet,
+    one for the embedded engine under ``--use-ray``, else none."""
+    if starts_fleet(config):
+        return int(config.rollout_num_engines)
+    return 1 if hosts_embedded(config) else 0
+
+
 def create_run_engine(config: Config) -> Any:
     from miles_core.engine.factory import create_engine
 
@@ -43,7 +57,10 @@ def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: 
     except ValueError as exc:
         raise RunError(str(exc)) from None
     log_dir = out / "engines"
-    log(f"starting {config.rollout_num_engines} engine server(s) of {config.hf_checkpoint}, logs in {log_dir}")
+    if hosts_embedded(config):
+        log(f"starting the embedded engine of {config.hf_checkpoint} on its Ray actor")
+    else:
+        log(f"starting {config.rollout_num_engines} engine server(s) of {config.hf_checkpoint}, logs in {log_dir}")
     try:
         fleet = EngineFleet.from_config(config, log_dir) if cluster is None else cluster.engine_fleet(log_dir)
     except FleetError as exc:

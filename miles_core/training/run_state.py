@@ -1,6 +1,12 @@
 """Saving and restoring what a run needs to go on exactly where it stopped: the
 trainable weights, the optimizer, the EMA, the RNG streams, the learning-rate schedule
-and a custom data source's state, in one atomic checkpoint (:mod:`~miles_core.training.checkpoint`)."""
+and a custom data source's state, in one atomic checkpoint (:mod:`~miles_core.training.checkpoint`).
+
+Full fine-tuning on several ranks saves sharded (:mod:`~miles_core.training.sharded_checkpoint`):
+the trainer's ``save_sharded(directory, optimizer=...)`` has every rank write its shards
+(under Ray, :class:`~miles_core.cluster.train_ranks.RayTrainer` asks its ranks), and this
+process writes the rest and publishes the checkpoint; ``load_sharded`` reads them back at
+any world size (a one-process trainer reads them itself)."""
 
 from __future__ import annotations
 
@@ -37,14 +43,17 @@ def restore_run_state(config: Config, trainer: Any, data_source: Any = None) -> 
         checkpoint = load_checkpoint(root, config.ckpt_step)
     except CheckpointError as exc:
         raise RunError(f"--load {root}: {exc}") from None
-    try:
-        trainer.load_trainable_state(checkpoint.model_state)
-    except ValueError as exc:
-        raise RunError(f"--load {checkpoint.path}: {exc}") from None
-    if checkpoint.optimizer_state is not None and not config.no_load_optim:
-        load_trainer_optimizer_state(trainer, checkpoint.optimizer_state)
+    if checkpoint.sharded is not None:
+        _load_sharded(config, trainer, checkpoint)
+    else:
+        try:
+            trainer.load_trainable_state(checkpoint.model_state)
+        except ValueError as exc:
+            raise RunError(f"--load {checkpoint.path}: {exc}") from None
+        if checkpoint.optimizer_state is not None and not config.no_load_optim:
+            load_trainer_optimizer_state(trainer, checkpoint.optimizer_state)
     trainer.optimizer_steps = int(checkpoint.extra.get("optimizer_steps", 0))
-    if trainer.ema is not None:
+    if trainer.ema is not None and checkpoint.sharded is None:
         if "ema" not in checkpoint.extra:
             raise RunError(f"--load {checkpoint.path}: this run keeps an EMA but the checkpoint has none")
         trainer.ema.load_state_dict(checkpoint.extra["ema"])
@@ -62,9 +71,51 @@ def restore_run_state(config: Config, trainer: Any, data_source: Any = None) -> 
     return checkpoint.rollout_id + 1
 
 
-def save_run_state(config: Config, trainer: Any, rollout_id: int, data_source: Any = None, schedule: Any = None) -> None:
-    from miles_core.training.checkpoint import capture_rng, save_checkpoint, trainer_optimizer_state
+def _load_sharded(config: Config, trainer: Any, checkpoint: Any) -> None:
+    """Read a sharded checkpoint's weights, optimizer state and EMA into ``trainer``."""
+    from miles_core.errors import CheckpointError
+    from miles_core.training.sharded_checkpoint import SHARD_DIR, ShardedPart, read_shards
+
+    directory = checkpoint.path / SHARD_DIR
+    try:
+        part = ShardedPart.from_record(checkpoint.sharded, checkpoint.path / "meta.json")
+        load = getattr(trainer, "load_sharded", None)
+        if callable(load):
+            load(directory, part, optimizer=not config.no_load_optim)
+        else:
+            read_shards(trainer, directory, part, optimizer=not config.no_load_optim)
+    except (CheckpointError, ValueError) as exc:
+        raise RunError(f"--load {checkpoint.path}: {exc}") from None
+
+
+def _save_sharded(config: Config, trainer: Any, rollout_id: int, extra: dict[str, Any]) -> None:
+    from miles_core.training.checkpoint import capture_rng
+    from miles_core.training.sharded_checkpoint import save_sharded_checkpoint, write_shards
+
+    optimizer = not config.no_save_optim
+    save = getattr(trainer, "save_sharded", None)
+
+    def write(directory: Path) -> Any:
+        return save(directory, optimizer=optimizer) if callable(save) else write_shards(trainer, directory, optimizer=optimizer)
+
+    save_sharded_checkpoint(Path(config.save), rollout_id, write, rng_state=capture_rng(), extra=extra)
+
+
+def save_run_state(
+    config: Config,
+    trainer: Any,
+    rollout_id: int,
+    data_source: Any = None,
+    schedule: Any = None,
+    *,
+    resumed_from: int | None = None,
+) -> None:
+    """Save checkpoint ``rollout_id`` under ``--save`` (sharded for full fine-tuning on
+    several ranks), then apply ``--save-keep-last``, never deleting ``resumed_from`` (the
+    checkpoint this run was restored from, when ``--load`` is the same directory)."""
+    from miles_core.training.checkpoint import capture_rng, rotate_checkpoints, save_checkpoint, trainer_optimizer_state
     from miles_core.training.lr_schedule import SCHEDULE_KEY, schedule_state
+    from miles_core.training.sharded_checkpoint import uses_sharded_checkpoints
 
     extra: dict[str, Any] = {} if schedule is None else {SCHEDULE_KEY: schedule_state(schedule)}
     if config.data_source_path and data_source is not None:
@@ -79,17 +130,19 @@ def save_run_state(config: Config, trainer: Any, rollout_id: int, data_source: A
     rank_rng = getattr(trainer, "rank_rng_states", None)
     if rank_rng is not None:  # training ranks on Ray: each one's RNG, restored at the same world size
         extra["rank_rng"] = rank_rng()
-    save_checkpoint(
-        Path(config.save),
-        rollout_id,
-        model_state=trainer.trainable_state(),
-        optimizer_state=None if config.no_save_optim else trainer_optimizer_state(trainer),
-        rng_state=capture_rng(),
-        extra={
-            "optimizer_steps": trainer.optimizer_steps,
-            "use_lora": bool(config.use_lora),
-            "loss_type": config.loss_type,
-            **extra,
-            **({"ema": trainer.ema.state_dict()} if trainer.ema is not None else {}),
-        },
-    )
+    extra = {"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora), "loss_type": config.loss_type, **extra}
+    if uses_sharded_checkpoints(config):
+        _save_sharded(config, trainer, rollout_id, extra)  # the EMA is sharded with the weights
+    else:
+        save_checkpoint(
+            Path(config.save),
+            rollout_id,
+            model_state=trainer.trainable_state(),
+            optimizer_state=None if config.no_save_optim else trainer_optimizer_state(trainer),
+            rng_state=capture_rng(),
+            extra={**extra, **({"ema": trainer.ema.state_dict()} if trainer.ema is not None else {})},
+        )
+    keep = getattr(config, "save_keep_last", None)
+    if keep:
+        same = resumed_from is not None and config.load and Path(config.load).resolve() == Path(config.save).resolve()
+        rotate_checkpoints(Path(config.save), int(keep), newest=rollout_id, protect=[resumed_from] if same else [])

@@ -117,7 +117,9 @@ async def sft_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], t
 
     config, trainer = run.config, run.trainer
     progress = run.progress or Progress(enabled=False)
-    params = sft_params(trainer.family, config)
+    # Training ranks on Ray resolve the parameters from their family (the driver loads none).
+    ranks_params = getattr(trainer, "sft_params", None)
+    params = ranks_params() if callable(ranks_params) else sft_params(trainer.family, config)
     source = PromptSource(run.rows, batch_size=config.rollout_batch_size * config.n_samples_per_prompt, seed=config.rollout_seed)
     for rollout_id in range(run.start, run.total):
         began = time.perf_counter()

@@ -13,6 +13,9 @@ Each optimizer step's samples are this data-parallel rank's share
 conversion and the micro-batch preparation may be replaced by hooks
 (:mod:`miles_core.training.train_hooks`).
 
+The optimizer steps master weights in ``--fsdp-master-dtype``: copies of parameters kept
+in another dtype (:mod:`miles_core.training.master_weights`), or the parameters themselves.
+
 With a data-parallel size above 1 in an initialized process group the trainable
 components are sharded with FSDP2 and training is collective (every rank is given the
 whole rollout); see :mod:`miles_core.training.fsdp` for the semantics and what every rank
@@ -35,6 +38,7 @@ from miles_core.rollout.sample import Sample
 from miles_core.sde import SdeBackend, score_streams
 from miles_core.training.backend_options import enable_gradient_checkpointing, set_attention_backend
 from miles_core.training.data_parallel import shard_for_rank
+from miles_core.training.master_weights import MasterWeights
 from miles_core.training.pairs import (
     TrainPair,
     conditioning_from_env,
@@ -57,6 +61,16 @@ def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Modul
     return {name: components[name] for name in names}
 
 
+def _splits_sequences(config: Any) -> bool:
+    """Whether this trainer will split samples over ranks (``--sequence-parallel-size`` > 1
+    in an initialized process group)."""
+    if int(getattr(config, "sequence_parallel_size", 1) or 1) <= 1:
+        return False
+    from miles_core.training import fsdp
+
+    return fsdp.is_active()
+
+
 def _lora_init(value: str) -> Any:
     # The reference maps kaiming-uniform to PEFT's default init (True); other names pass through.
     return True if value in ("kaiming-uniform", "kaiming_uniform", "default") else value
@@ -75,7 +89,9 @@ class Trainer:
         self.family = family
         self.config = config
         self.dp_rank = dp_rank
-        """This process's data-parallel rank (of ``config.data_parallel_size``)."""
+        """This process's data-parallel rank (of ``config.data_parallel_size``). ``dp_rank`` is
+        given as the process group's rank; under sequence parallelism it becomes ``rank //
+        --sequence-parallel-size`` once the components are sharded."""
         # Hooks first: a bad path fails before any module is touched.
         self.pairs_from = pair_source(config, family)
         self.prepare = batch_preparer(config)
@@ -102,26 +118,47 @@ class Trainer:
             for name in self.modules:
                 for _, parameter in family.trainable_parameters(name):
                     parameter.requires_grad_(True)
-        if config.fsdp_attention_backend:
+        if config.fsdp_attention_backend and not _splits_sequences(config):
+            # Under sequence parallelism it is set once the family installed its processors.
             set_attention_backend(self.modules, config.fsdp_attention_backend)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.modules)
+        self.engine_dtypes = {name: {k: p.dtype for k, p in module.named_parameters()} for name, module in self.modules.items()}
+        """Each parameter's dtype before sharding casts the trainable ones to
+        ``--fsdp-master-dtype``: the dtype an engine holds it in, in which the ranks send
+        weights and write the final ones (:mod:`miles_core.training.rank_weights`)."""
         self.mesh: Any = None
         """The FSDP2 device mesh when the trainable components are sharded (a data-parallel
         size above 1 in an initialized process group, :mod:`miles_core.training.fsdp`)."""
         self.dp_world = 1
-        """The ranks that share this trainer's gradients (the process group's size when sharded)."""
-        if config.data_parallel_size > 1:
+        """The data-parallel ranks that train different samples (``config.data_parallel_size``
+        when sharded)."""
+        self.sp_size = 1
+        """The ranks that split each sample's tokens (``--sequence-parallel-size``, when sharded)."""
+        self.reduce_world = 1
+        """The ranks FSDP2 averages gradients over (the world size when sharded)."""
+        if config.world_size > 1:
             from miles_core.training import fsdp
 
             if fsdp.is_active():
+                from miles_core.training.sequence_parallel import layout_from_config
+
                 self.mesh = fsdp.shard_modules(self.modules, config, family, dp_rank=dp_rank)
-                self.dp_world = int(config.data_parallel_size)
+                # Under sequence parallelism the SP ranks of one data-parallel group train the
+                # same samples: the data split uses the data-parallel coordinates.
+                layout = layout_from_config(config, dp_rank)
+                self.dp_rank, self.dp_world, self.sp_size, self.reduce_world = layout.dp_rank, layout.dp, layout.sp, layout.world
         self.parameters = [p for m in self.modules.values() for p in m.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("nothing to train: no parameter of the target modules requires a gradient")
+        from miles_core.model_loading import torch_dtype
+
+        self.masters = MasterWeights(self.parameters, torch_dtype(config.fsdp_master_dtype))
+        """What the optimizer steps (``--fsdp-master-dtype``): master copies of parameters in
+        another dtype, the parameters themselves otherwise (always under FSDP2, whose shards
+        are cast to it); see :mod:`miles_core.training.master_weights`."""
         self.optimizer = torch.optim.AdamW(
-            self.parameters,
+            self.masters.masters,
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
@@ -143,13 +180,13 @@ class Trainer:
             # reference's automatic choice under nft).
             from miles_core.training.ema import EMA
 
-            self.ema = EMA.from_config(config, self.named_trainable())
+            self.ema = EMA.from_config(config, self.named_masters())
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clip to ``--clip-grad``; a non-finite norm stops the run instead of writing
         NaN into the weights."""
         clip = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters, clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.masters.masters, clip)
         if self.mesh is not None and hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # the global norm over every rank's shards
         if not torch.isfinite(norm):
@@ -167,7 +204,9 @@ class Trainer:
                 (loss * weight).backward()
             else:
                 # FSDP2 averages gradients over the ranks; ``weight`` is a share of the whole step.
-                (loss * (weight * self.dp_world)).backward()
+                # Under sequence parallelism the SP ranks' backwards add up to the sample's
+                # gradient (each reaches its own tokens), so the scale is the world size.
+                (loss * (weight * self.reduce_world)).backward()
         _accumulate(sums, loss, metrics, weight)
 
     def _end_step(self, sums: dict[str, float], per_step: dict[str, list[float]]) -> None:
@@ -181,8 +220,10 @@ class Trainer:
     def finish_step(self, sums: dict[str, float], *, skip: bool) -> None:
         """Clip, step, update the EMA (unless ``skip``: the alignment probe), record lr."""
         if not skip:
+            self.masters.gather_gradients()
             sums["grad_norm"] = float(self._clip_gradients())
             self.optimizer.step()
+            self.masters.copy_to_model()
             self.optimizer_steps += 1
             self._after_optimizer_step()
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -194,7 +235,14 @@ class Trainer:
             return sums
         from miles_core.training import fsdp
 
-        return fsdp.combine_sums(fsdp.all_gather_object(dict(sums)))
+        return fsdp.combine_sums(self._dp_gather(dict(sums)))
+
+    def _dp_gather(self, obj: Any) -> list[Any]:
+        """Every data-parallel group's ``obj`` (collective over all ranks): the first
+        sequence-parallel rank's of each group, whose SP ranks computed the same one."""
+        from miles_core.training import fsdp
+
+        return fsdp.all_gather_object(obj)[:: self.sp_size]
 
     def _check_plans(self, plans: list[list[Any]], first_step: int) -> None:
         """Under FSDP2, exchange this rank's micro-batch plan of the coming optimizer
@@ -212,6 +260,11 @@ class Trainer:
             for name, parameter in module.named_parameters()
             if parameter.requires_grad
         }
+
+    def named_masters(self) -> dict[str, torch.Tensor]:
+        """The optimizer's tensors under :meth:`named_trainable`'s names: the master copy
+        of each parameter that has one (``--fsdp-master-dtype``), else the parameter."""
+        return {name: self.masters.master_of(parameter) for name, parameter in self.named_trainable().items()}
 
     def _progress_start(self, total: int) -> None:
         self._progress = [0, total]
@@ -245,13 +298,15 @@ class Trainer:
 
     def _after_optimizer_step(self) -> None:
         if self.ema is not None:
-            self.ema.update(self.named_trainable(), self.optimizer_steps)
+            # The EMA averages the masters: the trained weights, before rounding.
+            self.ema.update(self.named_masters(), self.optimizer_steps)
 
     # -- state ---------------------------------------------------------------------------
 
     def trainable_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The weights training changes, per component (LoRA tensors, or everything):
-        full CPU tensors, gathered from the shards under FSDP2 (collective)."""
+        full CPU tensors, gathered from the shards under FSDP2 (collective); the master
+        weights, in ``--fsdp-master-dtype``, where the parameters are kept in another dtype."""
         if self.mesh is not None:
             from miles_core.training.fsdp import full_tensor
 
@@ -259,11 +314,13 @@ class Trainer:
                 name: {k: full_tensor(p) for k, p in module.named_parameters() if p.requires_grad} for name, module in self.modules.items()
             }
         return {
-            name: {k: p.detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
+            name: {k: self.masters.master_of(p).detach().cpu().clone() for k, p in module.named_parameters() if p.requires_grad}
             for name, module in self.modules.items()
         }
 
     def load_trainable_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Load :meth:`trainable_state` of a run at any world size and master dtype (cast:
+        the masters take the saved values, the parameters their rounding)."""
         from miles_core.weights import load_named_tensors
 
         missing = set(self.modules) - set(state)
@@ -282,6 +339,8 @@ class Trainer:
                 load_full_tensors(module, state[name], module_name=name)
             else:
                 load_named_tensors(module, state[name], module_name=name)
+                parameters = dict(module.named_parameters())
+                self.masters.load((parameters[k], value) for k, value in state[name].items())
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state in ``optimizer.state_dict()``'s index-keyed format, with
@@ -445,10 +504,8 @@ class Trainer:
         result = _per_step_summary(per_step)
         if totals is not None:
             # Every rank's drift per SDE step: (sum, count) pairs gathered (collective).
-            from miles_core.training import fsdp
-
             drift = {k: (math.fsum(values), len(values)) for k, values in drift_by_step.items()}
-            gathered = fsdp.all_gather_object(drift)
+            gathered = self._dp_gather(drift)
             steps = sorted({k for ranks in gathered for k in ranks})
             for k in steps:
                 parts = [ranks[k] for ranks in gathered if k in ranks]
@@ -474,7 +531,8 @@ class Trainer:
             "counts": [(len(window), sum(1 for p in window if p.loss_mask > 0)) for window in windows],
         }
         gathered = fsdp.all_gather_object(local)
-        fsdp.check_plans([ranks["plans"] for ranks in gathered])
+        fsdp.check_plans([ranks["plans"] for ranks in gathered])  # every rank's, SP ranks too
+        gathered = gathered[:: self.sp_size]  # counts: one per data-parallel group
         return [
             (sum(ranks["counts"][i][0] for ranks in gathered), sum(ranks["counts"][i][1] for ranks in gathered))
             for i in range(len(windows))

@@ -17,13 +17,18 @@ checksum of the same weights (see :func:`expected_checksum`); a mismatch raises
 :func:`snapshot_weights` copies what a sync would send, so that a sync that runs while
 the modules may change (an engine restarted mid-run, re-synced in the background) sends
 the weights of one moment.
+
+Training ranks on Ray send the weights themselves (:func:`send_from_rank`): every rank
+gathers them one tensor at a time and rank 0 posts the buckets, so no process holds the
+whole trainable state; the driver compares the checksums (:func:`check_checksums`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +63,9 @@ def _owner(name: str, layers: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _merged(weight: torch.Tensor, layer: Any, prefix: str) -> torch.Tensor:
-    """``W + Σ delta`` over the active adapters, as PEFT's ``merge`` computes it."""
+def _merged(weight: torch.Tensor, layer: Any, prefix: str, delta: Callable[[str], torch.Tensor] | None = None) -> torch.Tensor:
+    """``W + Σ delta`` over the active adapters, as PEFT's ``merge`` computes it
+    (``delta``: the adapter's delta weight, default PEFT's ``get_delta_weight``)."""
     merged = weight.detach().clone()
     if layer.disable_adapters:
         return merged
@@ -72,7 +78,7 @@ def _merged(weight: torch.Tensor, layer: Any, prefix: str) -> torch.Tensor:
             raise ValueError(f"{prefix}: LoRA variants (DoRA, ...) are not supported by weight sync")
         if getattr(layer, "lora_bias", {}).get(adapter):
             raise ValueError(f"{prefix}: lora_bias adapters are not supported by weight sync")
-        merged += layer.get_delta_weight(adapter)
+        merged += (delta or layer.get_delta_weight)(adapter)
     return merged
 
 
@@ -86,22 +92,29 @@ def engine_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     ``lora_*`` tensors are left out. For a plain module: its parameters. Merged tensors
     are computed one at a time, as they are consumed."""
     layers = _lora_layers(module)
-    entries: list[tuple[str, torch.Tensor, str | None]] = []
+    for name, _, parameter, prefix in _engine_entries(module, layers):
+        yield name, (_merged(parameter, layers[prefix], prefix) if prefix is not None else parameter.detach())
+
+
+def _engine_entries(module: torch.nn.Module, layers: Mapping[str, Any]) -> list[tuple[str, str, torch.Tensor, str | None]]:
+    """``(engine name, parameter name, parameter, LoRA layer prefix or None)`` of what
+    :func:`engine_weights` yields, in sorted engine-name order; the prefix is set for a
+    base weight that gets its adapters' deltas merged in."""
+    entries: list[tuple[str, str, torch.Tensor, str | None]] = []
     for name, parameter in module.named_parameters():
         prefix = _owner(name, layers)
         if prefix is None:
-            entries.append((name, parameter, None))
+            entries.append((name, name, parameter, None))
             continue
         rest = name[len(prefix) + 1 :]
         if not rest.startswith("base_layer."):
             continue  # lora_A / lora_B / ... of the adapter
         rest = rest[len("base_layer.") :]
-        entries.append((f"{prefix}.{rest}", parameter, prefix if rest == "weight" else None))
-    names = [n for n, _, _ in entries]
+        entries.append((f"{prefix}.{rest}", name, parameter, prefix if rest == "weight" else None))
+    names = [n for n, _, _, _ in entries]
     if len(set(names)) != len(names):
         raise ValueError("engine_weights: two parameters map to one name (nested adapters?)")
-    for name, parameter, prefix in sorted(entries, key=lambda e: e[0]):
-        yield name, (_merged(parameter, layers[prefix], prefix) if prefix is not None else parameter.detach())
+    return sorted(entries, key=lambda e: e[0])
 
 
 def lora_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -233,9 +246,17 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | S
             await engine.update_weights_from_tensors(name, sent, buffer_size=config.update_weight_buffer_size)
             result.checksums[name] = sent.digest.hexdigest()
         result.bytes += sent.bytes
-    reported = await engine.weights_checksums([module_weights.name for module_weights in weights])
+    await check_checksums(engine, result.checksums, lora_only=lora_only)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+async def check_checksums(engine: Any, expected: Mapping[str, str], *, lora_only: bool) -> None:
+    """Every server of ``engine`` must report ``expected[module]`` for each module, or
+    :class:`WeightSyncError` names the URL and the module."""
+    reported = await engine.weights_checksums(list(expected))
     for url, answer in reported.items():
-        for name, want in result.checksums.items():
+        for name, want in expected.items():
             got = answer.get(name)
             if got != want:
                 mode = "LoRA-only" if lora_only else "full"
@@ -243,18 +264,163 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | S
                     f"{url}: module {name!r} reports checksum {got} after a {mode} weight sync; "
                     f"the trainer sent weights with checksum {want}"
                 )
-    result.seconds = time.perf_counter() - began
-    return result
+
+
+def sync_lora_only(config: Any) -> bool:
+    """Whether a sync sends only the LoRA tensors: ``--lora-ipc-weight-sync``, or a LoRA
+    run's embedded engine under ``--use-ray`` (on an actor of its own), which then runs
+    the trainer's adapted modules (``W x + B A x``) as the in-process one does rather
+    than merged weights, so it samples what the one-process run samples."""
+    hosted = bool(config.get("use_ray")) and config.rollout_engine == "embedded"
+    return bool(config.lora_ipc_weight_sync) or (bool(config.use_lora) and hosted)
+
+
+# -- from the training ranks ------------------------------------------------------------------
+# Under --use-ray no process but the ranks holds the trainable weights: the ranks gather
+# what a sync sends one tensor at a time and rank 0 posts each bucket to the engines.
+
+
+def _gathered(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` whole on the CPU in ``dtype``; a DTensor's shards are all-gathered
+    (collective: every rank gathers the same tensor at the same point)."""
+    from miles_core.training.fsdp import is_sharded
+
+    if is_sharded(tensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to(device="cpu", dtype=dtype)
+
+
+def _delta_from_shards(layer: Any, prefix: str, dtypes: Mapping[str, torch.dtype]) -> Callable[[str], torch.Tensor]:
+    """PEFT's ``get_delta_weight`` of a ``Linear`` LoRA layer, on its gathered ``lora_A``
+    and ``lora_B`` (collective): ``B @ A`` (transposed for ``fan_in_fan_out``) times the
+    adapter's scaling, in float32 for half-precision factors as PEFT computes it on the CPU."""
+
+    def delta(adapter: str) -> torch.Tensor:
+        down, up = layer.lora_A[adapter], layer.lora_B[adapter]
+        if not (isinstance(down, torch.nn.Linear) and isinstance(up, torch.nn.Linear)):
+            raise ValueError(f"{prefix}: only Linear LoRA layers are merged from sharded weights, not {type(down).__name__}")
+        a = _gathered(down.weight, dtypes.get(f"{prefix}.lora_A.{adapter}.weight", down.weight.dtype))
+        b = _gathered(up.weight, dtypes.get(f"{prefix}.lora_B.{adapter}.weight", up.weight.dtype))
+        dtype = b.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            a, b = a.float(), b.float()
+        product = b @ a
+        if getattr(layer, "fan_in_fan_out", False):
+            product = product.T
+        return (product * layer.scaling[adapter]).to(dtype)
+
+    return delta
+
+
+def rank_engine_tensors(
+    module: torch.nn.Module, dtypes: Mapping[str, torch.dtype], *, lora_only: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a sync sends for ``module`` (a training rank's component, sharded or not),
+    whole and in the dtypes an engine holds (``dtypes``: parameter name -> dtype, the
+    trainer's ``engine_dtypes`` of the component), one tensor at a time in sorted name
+    order: the ``lora_A``/``lora_B`` tensors (``lora_only``) or :func:`engine_weights`.
+    Under FSDP2 every rank must consume it to the end (each tensor is a collective)."""
+    from miles_core.training.fsdp import is_sharded
+
+    if lora_only:
+        for name, parameter in sorted(lora_tensors(module), key=lambda item: item[0]):
+            yield name, _gathered(parameter, dtypes.get(name, parameter.dtype))
+        return
+    layers = _lora_layers(module)
+    for name, parameter_name, parameter, prefix in _engine_entries(module, layers):
+        dtype = dtypes.get(parameter_name, parameter.dtype)
+        if prefix is None:
+            yield name, _gathered(parameter, dtype)
+        elif is_sharded(parameter):
+            delta = _delta_from_shards(layers[prefix], prefix, dtypes)
+            yield name, _merged(_gathered(parameter, dtype), layers[prefix], prefix, delta).to(dtype)
+        else:
+            yield name, _merged(parameter, layers[prefix], prefix).to(dtype)
+
+
+def rank_module_checksum(module: torch.nn.Module, dtypes: Mapping[str, torch.dtype]) -> str:
+    """The checksum an engine holding ``module`` as it is (adapters included) reports,
+    from a training rank: every parameter gathered in turn (collective under FSDP2)."""
+    named = sorted(module.named_parameters(), key=lambda item: item[0])
+    hashing = _Hashing((name, _gathered(parameter, dtypes.get(name, parameter.dtype))) for name, parameter in named)
+    for _ in hashing:
+        pass
+    return hashing.digest.hexdigest()
+
+
+def send_from_rank(
+    modules: Mapping[str, torch.nn.Module],
+    dtypes: Mapping[str, Mapping[str, torch.dtype]],
+    urls: Sequence[str],
+    config: Any,
+    *,
+    lora_only: bool,
+    sends: bool,
+) -> dict[str, Any]:
+    """One weight sync from the training ranks (every rank calls it together): each
+    module's tensors are gathered as :func:`rank_engine_tensors` yields them, and the
+    sender (``sends``: rank 0) posts them to every server of ``urls`` in safetensors
+    buckets of at most ``--update-weight-buffer-size`` bytes as each bucket fills; no rank
+    holds more than one bucket of gathered weights. Returns what the sender sent:
+    ``{"checksums": {module: sha256}, "bytes": n, "error": None | [url, status, message]}``.
+    A server that refuses or does not answer stops the sending; the gathers still go on
+    to the end, so the ranks' collectives stay paired."""
+    return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends))
+
+
+async def _send_from_rank(
+    modules: Mapping[str, torch.nn.Module],
+    dtypes: Mapping[str, Mapping[str, torch.dtype]],
+    urls: list[str],
+    config: Any,
+    lora_only: bool,
+    sends: bool,
+) -> dict[str, Any]:
+    from miles_core.engine.http import HttpEngine
+    from miles_core.errors import EngineRequestError
+
+    client = HttpEngine(urls) if sends and urls else None
+    answer: dict[str, Any] = {"checksums": {}, "bytes": 0, "error": None}
+    try:
+        for name, module in modules.items():
+            tensors = rank_engine_tensors(module, dtypes[name], lora_only=lora_only)
+            if client is not None and answer["error"] is None:
+                sent = _Hashing(tensors)
+                try:
+                    await client.update_weights_from_tensors(
+                        name,
+                        sent,
+                        buffer_size=config.update_weight_buffer_size,
+                        lora_only=lora_only,
+                        lora_config=lora_config(module) if lora_only else None,
+                    )
+                    answer["bytes"] += sent.bytes
+                    answer["checksums"][name] = sent.digest.hexdigest()
+                except EngineRequestError as exc:
+                    answer["error"] = [exc.url, exc.status, exc.message]
+            for _ in tensors:  # what is left (everything, on the other ranks): gathered and dropped
+                pass
+            if lora_only:  # the engine's module holds the base weights and the adapter
+                answer["checksums"][name] = rank_module_checksum(module, dtypes[name])
+    finally:
+        if client is not None:
+            await client.close()
+    return answer
 
 
 __all__ = [
     "ModuleWeights",
     "SyncResult",
     "WeightSyncError",
+    "check_checksums",
     "engine_weights",
     "expected_checksum",
     "lora_config",
     "lora_tensors",
+    "rank_engine_tensors",
+    "rank_module_checksum",
+    "send_from_rank",
     "snapshot_weights",
+    "sync_lora_only",
     "sync_to_engine",
 ]

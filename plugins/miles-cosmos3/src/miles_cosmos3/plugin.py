@@ -30,5 +30,9 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             rollout_microgroup_size=1,
             generation_options=("num_frames", "fps"),
             max_microgroup_size=1,
+            sequence_parallel_refusal=(
+                "its transformer packs two pathways (understanding and generation) of ragged lengths with grouped-query "
+                "attention, which diffusers' context-parallel plans cannot express; diffusers ships no plan for it"
+            ),
         )
     ]

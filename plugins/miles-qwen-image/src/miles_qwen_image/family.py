@@ -262,6 +262,13 @@ class QwenImageFamily(ModelFamily):
             v = comb * (cond_norm / comb_norm)
         return {"latents": v.float()}
 
+    def context_parallel_plan(self, component: str, module: torch.nn.Module, degree: int) -> dict | None:
+        """diffusers' plan, with the text padded to a multiple of ``degree`` tokens
+        (:mod:`miles_qwen_image.sequence_parallel`): a prompt's length is its own."""
+        from miles_qwen_image.sequence_parallel import install
+
+        return install(module, degree)
+
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
         import torch
 

@@ -185,6 +185,14 @@ class SD3Family(ModelFamily):
             )[0]
         return {"latents": v.float()}
 
+    def context_parallel_plan(self, component: str, module: torch.nn.Module, degree: int) -> dict | None:
+        """SD3 has no plan in diffusers and its attention calls torch's directly: install
+        processors that dispatch through diffusers' backends and pad the text, and return
+        the plan that splits both streams (:mod:`miles_sd3.sequence_parallel`)."""
+        from miles_sd3.sequence_parallel import install
+
+        return install(module, degree)
+
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
         vae = self.pipeline.vae
         # The pipeline's latents are in the family dtype when it decodes.
