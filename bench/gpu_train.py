@@ -8,9 +8,9 @@ query/key norm) with random weights. Its two conditioning input widths follow th
 text encoders (the real T5-XXL and CLIP widths, 4096 and 2048, would need the real
 encoders); everything inside the blocks is the real model's size.
 
-Every case is a run of ``miles-core train`` (``prepare_run`` and the run loop, full
-fine-tuning, Flow-GRPO, the embedded engine, jpeg_compressibility), with the flags of the
-case added:
+Every case but the last is a run of ``miles-core train`` (``prepare_run`` and the run
+loop, full fine-tuning, Flow-GRPO, the embedded engine, jpeg_compressibility), with the
+flags of the case added:
 
 - ``baseline``: bf16 rollout, train and step time (median over the rollouts after the
   first), peak GPU memory per phase;
@@ -19,7 +19,9 @@ case added:
 - the alignment probe (``--debug-skip-optimizer-step --diffusion-debug-mode``) in bf16,
   with micro-batches that reproduce the engine's microgroups and with flat ones: the
   trainer's drift from the engine;
-- ring attention at sequence-parallel size 2 when two GPUs are visible.
+- ring attention at sequence-parallel size 2 when two GPUs are visible (:func:`ring_case`):
+  two nccl ranks, one GPU each, split one sample's tokens of the tiny Wan 2.2 pipeline;
+  their gradient against one process's in bf16, and the step time.
 
 Peak memory per phase is ``torch.cuda.max_memory_allocated``, reset at the start of each
 rollout, when training starts (``trainer.train_rollout``) and when it returns: "rollout"
@@ -83,6 +85,33 @@ DRY_RUN_SHAPE: dict[str, Any] = {
 """What the dry run scales down (the tiny pipeline's sizes); the rest stays SD3.5 Medium's."""
 
 PROBE = ("--debug-skip-optimizer-step", "--diffusion-debug-mode")
+RING_SPLIT = ("--actor-num-nodes", "2", "--sequence-parallel-size", "2", "--ulysses-degree", "1")
+"""The ring case's split: two ranks, one sequence-parallel group, ring degree 2."""
+RING_MODEL = ("--fsdp-attention-backend", "_native_cudnn", "--diffusion-forward-dtype", "bf16")
+"""What the ring case's ranks and its one-process reference share: cuDNN attention, which
+returns the log-sum-exp the ring merges its partial results with, and bf16, which it
+runs in."""
+WAN_FAMILY = "wan2_2"
+"""The Wan 2.2 family's registered name (the miles-wan22 plugin)."""
+WAN_TINY = (
+    "--diffusion-height",
+    "32",
+    "--diffusion-width",
+    "32",
+    "--diffusion-output-num-frames",
+    "5",
+    "--diffusion-guidance-scale",
+    "1",
+    "--diffusion-guidance-scale-2",
+    "1",
+    "--update-weight-target-module",
+    "transformer,transformer_2",
+)
+"""The tiny Wan 2.2 run of the ring case (the wan22 plugin's own sequence-parallel check):
+video tokens that 2 ranks share equally, both experts trained. Wan because its plan splits
+only the video tokens (text is cross-attended whole): SD3's and Qwen-Image's joint
+attention splits the prompt too, and a prompt length the ranks do not divide is padded
+and masked, which the ring cannot do."""
 DRIFT_KEYS = (
     "train/log_prob_max_abs_diff",
     "train/log_prob_mean_abs_diff",
@@ -131,11 +160,7 @@ def cases(shape: Shape) -> list[Case]:
         Case("--fsdp-cpu-offload", ("--fsdp-cpu-offload", *tile)),
         Case("probe, micro-batches = microgroups", (*PROBE, *tile), kind="probe"),
         Case("probe, flat micro-batches", (*PROBE, "--micro-batch-size", str(shape.flat_micro_batch)), kind="probe"),
-        Case(
-            "ring attention, SP 2",
-            ("--use-ray", "--actor-num-gpus-per-node", "2", "--sequence-parallel-size", "2", "--ulysses-degree", "1", *tile),
-            kind="ring",
-        ),
+        Case("ring attention, SP 2", (*RING_SPLIT, *RING_MODEL), kind="ring"),
     ]
 
 
@@ -249,9 +274,12 @@ async def run_case(case: Case, base: list[str], workdir: Path, shape: Shape, dev
     from miles_core.training.run import prepare_run
 
     result: dict[str, Any] = {"case": case.name, "kind": case.kind, "flags": list(case.flags)}
-    if case.kind == "ring" and (device.type != "cuda" or torch.cuda.device_count() < 2):
-        result["status"] = "skipped: one GPU" if device.type == "cuda" else "skipped: no GPU (CPU dry run)"
-        return result
+    if case.kind == "ring":
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            result["status"] = "skipped: one GPU" if device.type == "cuda" else "skipped: no GPU (CPU dry run)"
+            return result
+        _release(device)
+        return ring_case(result, workdir / "ring")
     count = 1 if case.kind == "probe" else shape.rollouts
     slug = "".join(c if c.isalnum() else "-" for c in case.name).strip("-")
     args = [*base, *case.flags, "--num-rollout", str(count), "--output-dir", str(workdir / f"run-{slug}")]
@@ -268,8 +296,6 @@ async def run_case(case: Case, base: list[str], workdir: Path, shape: Shape, dev
     if note is not None:
         result["status"] = f"not available: {note}"
         return result
-    if case.kind == "ring":
-        return await _ring_case(config, result)
     memory = PhaseMemory(device)
     try:
         run = await prepare_run(config, log=lambda line: None, progress=False, on_phase=memory)
@@ -303,22 +329,81 @@ async def run_case(case: Case, base: list[str], workdir: Path, shape: Shape, dev
     return result
 
 
-async def _ring_case(config: Any, result: dict[str, Any]) -> dict[str, Any]:
-    """Ring attention over two GPUs: a whole ``--use-ray`` run (its ranks are Ray actors)."""
-    from miles_core.launch import train
+def _crash_status(crash: str) -> str:
+    """The status of a rank's traceback: a configuration the rank refused while setting up
+    (a ``ConfigError``) is ``not available``, anything else ``failed``."""
+    last = next((line for line in reversed(crash.strip().splitlines()) if line.strip()), crash)
+    kind, _, message = last.partition(": ")
+    if kind.rsplit(".", 1)[-1] == "ConfigError":
+        return f"not available: {' '.join(message.split())}"
+    return f"failed: {' '.join(last.split())}"
+
+
+def ring_case(
+    result: dict[str, Any],
+    workdir: Path,
+    split: tuple[str, ...] = RING_SPLIT,
+    model: tuple[str, ...] = RING_MODEL,
+    backend: str = "nccl",
+) -> dict[str, Any]:
+    """Ring attention over two GPUs, without Ray: the tiny Wan 2.2 pipeline (``miles-core
+    make-tiny wan2_2``), one rollout sampled here, then one optimizer step of it (full
+    fine-tuning at lr 0, :mod:`miles_core.sequence_parallel_checks`) in this process and on
+    two ``torch.multiprocessing`` ranks (``backend``: nccl, one GPU each) that split each
+    sample's tokens by ``split``, both with ``model``. Reports the ranks' reduced gradient
+    against this process's, relative to its largest element (``gradient_error``; bf16 and
+    another order of summation, so not zero), the same with every attention made local
+    (``control_gradient_error``: what a broken split looks like), the loss difference, and
+    the step time of each (the second step of each: the first pays cuDNN's and NCCL's
+    set-up). ``not available`` when the wan22 plugin is not installed or a rank refuses
+    the configuration."""
+    from miles_core import sequence_parallel_checks as checks
+    from miles_core.config.resolve import resolve_config
+    from miles_core.errors import InputError
+    from miles_core.plugin_manager import get_host
 
     began = time.perf_counter()
+    families = get_host().registries.model_family
+    if WAN_FAMILY not in families:
+        result["status"] = f"not available: {families.unknown_message(WAN_FAMILY)}"
+        return result
     try:
-        out = await train(config, log=lambda line: None)
+        family = families.get(WAN_FAMILY).load()
+        tiny = family.build_tiny_pipeline(workdir / "wan22-tiny")
+        args = checks.check_args(tiny, workdir / "run", *WAN_TINY, *model, family=WAN_FAMILY)
+        config = resolve_config(args)
     except Exception as exc:
         result["status"] = f"not available: {_one_line(exc)}"
         return result
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    timed = records[1:] or records
+    result["model"] = "tiny Wan 2.2 (make-tiny wan2_2), 32x32, 5 frames, 1 prompt x 2 samples, both experts trained"
+    try:
+        rollout = checks.make_rollout(args)
+        checks.train_once(config, rollout)  # warm-up
+        reference = checks.train_once(config, rollout)
+    except InputError as exc:
+        result["status"] = f"not available: {_one_line(exc)}"
+        return result
+    except Exception as exc:
+        result["status"] = f"failed: {_one_line(exc)}"
+        return result
+    ranks = [*args, *split]
+    scenarios = {"warm-up": ranks, "split": ranks, "local-attention": [*ranks, checks.LOCAL_ATTENTION]}
+    runs = checks.run_ranks(2, scenarios, rollout, workdir / "ranks", backend=backend)
+    for results in runs.values():
+        crashes = [r["crash"] for r in results if "crash" in r]
+        if crashes:
+            # A rank that stopped first has the traceback; the other says "no result".
+            result["status"] = _crash_status(max(crashes, key=len))
+            return result
+    split_runs, control = runs["split"], runs["local-attention"]
+    loss = reference["metrics"]["train/loss"]
     result["status"] = "ok"
     result["seconds"] = round(time.perf_counter() - began, 2)
-    for phase in ("rollout", "train", "step"):
-        result[f"{phase}_s"] = round(statistics.median(r[f"perf/{phase}_time"] for r in timed), 4)
+    result["step_s"] = round(max(r["train_s"] for r in split_runs), 4)  # the slowest rank ends the step
+    result["reference_step_s"] = round(reference["train_s"], 4)
+    result["gradient_error"] = max(checks.gradient_error(r["gradients"], reference["gradients"]) for r in split_runs)
+    result["control_gradient_error"] = min(checks.gradient_error(r["gradients"], reference["gradients"]) for r in control)
+    result["loss_abs_diff"] = max(abs(r["metrics"]["train/loss"] - loss) for r in split_runs)
     return result
 
 
@@ -373,9 +458,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_fmt(drift.get('model_output_mean_abs_diff'))} | {_fmt(drift.get('first_ratio'), 9)} |"
         )
     for case in report["cases"]:
-        if case["kind"] == "ring":
-            timing = f", step {_fmt(case.get('step_s'))} s" if case["status"] == "ok" else ""
-            lines += ["", f"{case['case']}: {case['status']}{timing}"]
+        if case["kind"] != "ring":
+            continue
+        lines += [
+            "",
+            "| ring attention | status | step s | one process, step s | gradient error vs one process | control (local attention) | loss diff |",
+            "|---|---|---|---|---|---|---|",
+            f"| {case['case'].removeprefix('ring attention, ')}, tiny Wan 2.2 | {case['status']} "
+            f"| {_fmt(case.get('step_s'))} | {_fmt(case.get('reference_step_s'))} | {_fmt(case.get('gradient_error'))} "
+            f"| {_fmt(case.get('control_gradient_error'))} | {_fmt(case.get('loss_abs_diff'))} |",
+        ]
     lines += ["", f"section took {report['elapsed_s']:.0f} s"]
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -108,7 +109,8 @@ def gradients(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def train_once(config: Any, rollout: tuple[list[Any], torch.Tensor], rank: int = 0, *, local_attention: bool = False) -> dict[str, Any]:
-    """One optimizer step on ``rollout``: the metrics and the gradients."""
+    """One optimizer step on ``rollout``: the metrics, the gradients and the step's wall
+    time in seconds (``train_s``, the device synchronised)."""
     torch.manual_seed(0)
     trainer = _trainer(config, rank)
     if local_attention:
@@ -116,9 +118,14 @@ def train_once(config: Any, rollout: tuple[list[Any], torch.Tensor], rank: int =
             for sub in module.modules():
                 if getattr(getattr(sub, "processor", None), "_parallel_config", None) is not None:
                     sub.processor._parallel_config = None
+    began = time.perf_counter()
     metrics = trainer.train_rollout(*rollout)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
     return {
         "metrics": metrics,
+        "train_s": seconds,
         "gradients": gradients(trainer),
         "dp_rank": trainer.dp_rank,
         "mesh": tuple(trainer.mesh.shape) if trainer.mesh is not None else (),
