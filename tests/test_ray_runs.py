@@ -16,19 +16,23 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import subprocess
 import sys
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
+from miles_core.config.determinism import deterministic_env
 from miles_core.config.resolve import resolve_config
 from miles_core.errors import RunError
-from miles_core.launch import run_sync, train
+from miles_core.launch import run_sync, start_session, train
 from miles_core.training.checkpoint import load_checkpoint
 from tests.tiny_runs import run_metrics, tiny_run_args
 
@@ -36,7 +40,12 @@ from tests.tiny_runs import run_metrics, tiny_run_args
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray instance for the module: runs find it initialised and reuse it."""
+    # Actors inherit the environment Ray starts with: keep out the variable a one-process
+    # --deterministic-mode run earlier in this process set, so only a run's own env reaches them.
+    cublas = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if cublas is not None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
     yield
     ray.shutdown()
 
@@ -265,8 +274,49 @@ def test_engine_servers_run_on_ray_actors(tiny_sd3, prompts, tmp_path, ray_clust
     assert all("serving " in (tmp_path / "ray" / "engines" / name).read_text() for name in logs)
 
 
+@pytest.mark.exercises("--deterministic-mode")
+def test_deterministic_mode_reaches_every_actor_of_a_ray_run(tiny_sd3, prompts, tmp_path, ray_cluster):
+    """The actors a --use-ray run starts (its training rank, the embedded engine's host, the
+    reward worker), started as the run starts them: with --deterministic-mode each has
+    cuBLAS's workspace setting in its environment and torch's deterministic algorithms on;
+    without it (the control) neither. A --train-env-vars value for the variable wins."""
+
+    def probe(actor: object) -> tuple[str | None, bool]:
+        return os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.are_deterministic_algorithms_enabled()
+
+    def config(*extra: str) -> Any:
+        return resolve_config(_args(tiny_sd3, prompts, tmp_path / "out", "--use-ray", *extra))
+
+    session = start_session(config("--deterministic-mode"), log=lambda line: None)
+    try:
+        # Started together (each waits on its actor's start-up); the embedded engine's host
+        # has built its engine when its fleet is back.
+        with ThreadPoolExecutor(3) as pool:
+            fleet = pool.submit(session.engine_fleet, tmp_path / "engines")
+            trainer = pool.submit(session.start_trainer)
+            scorer = pool.submit(session.reward_scorer)
+        try:
+            actors = [*trainer.result().ranks, *fleet.result().hosts, scorer.result().worker]
+            assert ray.get([actor.__ray_call__.remote(probe) for actor in actors]) == [(":4096:8", True)] * 3
+        finally:
+            if not fleet.exception():
+                fleet.result().stop()
+    finally:
+        session.close()
+    # The control: the training rank of a run without the flag (the one environment all
+    # actors start from, the same runtime options) has neither.
+    session = start_session(config(), log=lambda line: None)
+    try:
+        (rank,) = session.start_trainer().ranks
+        assert ray.get(rank.__ray_call__.remote(probe)) == (None, False)
+    finally:
+        session.close()
+    # The user's value (the other documented setting) is what every actor would get.
+    user = config("--deterministic-mode", "--train-env-vars", '{"CUBLAS_WORKSPACE_CONFIG": ":16:8"}')
+    assert deterministic_env(user) == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+
+
 def test_a_ray_engine_host_restarts_its_server(tiny_sd3, prompts, tmp_path, ray_cluster):
-    import os
     import signal
     import urllib.request
 

@@ -421,6 +421,148 @@ def test_http_engine_bounds_in_flight_requests_per_url():
         server.close()
 
 
+class _CountingServers:
+    """Loopback ``/rollout/generate`` servers that count, from their side, the requests in
+    flight on each and in all. A request is held until ``peak`` requests have been in
+    flight together (or ``hold`` s passed), so whether requests overlap does not depend on
+    timing."""
+
+    def __init__(self, count: int, *, peak: int, hold: float) -> None:
+        from aiohttp import web
+
+        self.lock = threading.Lock()
+        self.now = [0] * count
+        self.most = [0] * count
+        self.most_total = 0
+        self.events: list[tuple[str, int]] = []
+        self.peak, self.hold = peak, hold
+        self.servers = []
+        for index in range(count):
+            app = web.Application()
+            app.router.add_post("/rollout/generate", self._handler(index))
+            self.servers.append(ServerThread(app))
+        self.urls = [server.url for server in self.servers]
+
+    def _handler(self, index: int):
+        from aiohttp import web
+
+        from miles_core.engine.wire import pack_outputs
+        from miles_core.request import RolloutOutput
+
+        async def generate(request):
+            body = await request.json()
+            with self.lock:
+                self.now[index] += 1
+                self.most[index] = max(self.most[index], self.now[index])
+                self.most_total = max(self.most_total, sum(self.now))
+                self.events.append(("in", index))
+            deadline = time.monotonic() + self.hold
+            while self.most_total < self.peak and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+            outputs = [
+                RolloutOutput(
+                    request_id=body["request_id"],
+                    prompt=body["prompt"],
+                    seed=body["seed"] + i,
+                    generated_output=torch.full((3, 2, 2), float(body["seed"] + i)),
+                )
+                for i in range(body["num_outputs_per_prompt"])
+            ]
+            with self.lock:
+                self.now[index] -= 1
+                self.events.append(("out", index))
+            return web.Response(body=pack_outputs(outputs), content_type="application/msgpack")
+
+        return generate
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+@pytest.mark.exercises("--sglang-server-concurrency")
+def test_server_concurrency_caps_each_server_not_the_rollout():
+    """Two servers, ``--sglang-server-concurrency 1``: a rollout has one request in flight
+    on each server (two in all), and a third waits for a free place. Control: an engine
+    that does not cap its servers itself (here a plain wrapper) is capped by the rollout
+    at one request in all, which was the flag's effect on the http engine before; the
+    samples are the same either way."""
+    from miles_core.engine.base import RolloutEngine
+    from miles_core.rollout.data import PromptRecord
+    from miles_core.rollout.generate import RolloutSettings, generate_rollout
+    from miles_core.step_strategies import sde_window
+
+    class Wrapper(RolloutEngine):
+        @classmethod
+        def from_config(cls, config):  # built directly in this test
+            raise TypeError("build it directly")
+
+        def __init__(self, inner: RolloutEngine) -> None:
+            self.inner = inner
+
+        async def generate(self, request):
+            return await self.inner.generate(request)
+
+        async def weights_checksum(self, module_names):
+            return await self.inner.weights_checksum(module_names)
+
+    settings = RolloutSettings(
+        n_samples_per_prompt=4,
+        rollout_microgroup_size=2,
+        rollout_batch_size=2,
+        rollout_seed=11,
+        diffusion_num_steps=4,
+        diffusion_num_sde_steps=1,
+        diffusion_sde_window_range=None,
+        diffusion_sde_candidate_steps=None,
+        diffusion_guidance_scale=4.5,
+        diffusion_true_cfg_scale=None,
+        diffusion_negative_prompt=None,
+        diffusion_height=None,
+        diffusion_width=None,
+        diffusion_output_num_frames=1,
+        diffusion_fps=None,
+        diffusion_sde_type="sde",
+        diffusion_noise_level=0.7,
+        diffusion_log_prob_no_const=False,
+        diffusion_debug_mode=False,
+        sglang_server_concurrency=1,
+    )
+    prompts = [PromptRecord("a red cube", {}, 0), PromptRecord("a blue ball", {}, 1)]
+
+    def rollout_through(wrap: bool, hold: float) -> tuple[_CountingServers, list, HttpEngine]:
+        servers = _CountingServers(2, peak=2, hold=hold)
+        try:
+
+            async def main():
+                async with HttpEngine(servers.urls, max_concurrency=settings.sglang_server_concurrency) as engine:
+                    groups = await generate_rollout(Wrapper(engine) if wrap else engine, settings, 0, prompts, sde_window)
+                return groups, engine
+
+            groups, engine = run(main())
+        finally:
+            servers.close()
+        return servers, groups, engine
+
+    capped, groups, engine = rollout_through(wrap=False, hold=5.0)
+    assert capped.most == [1, 1] and capped.most_total == 2  # one per server, two in all
+    assert sum(engine.sent) == 4 and engine.in_flight == [0, 0]
+    # The first two went out together, one to each server; the third only after one came back.
+    assert sorted(capped.events[:2]) == [("in", 0), ("in", 1)] and capped.events[2][0] == "out"
+    assert [event for event, _ in capped.events].count("in") == 4
+
+    # Two requests in flight together would be held until both were there; one at a time,
+    # each waits out its short hold alone.
+    control, control_groups, _ = rollout_through(wrap=True, hold=0.1)
+    assert control.most_total == 1  # the whole rollout capped at one request
+    assert [event for event, _ in control.events] == ["in", "out"] * 4
+
+    def samples(groups) -> list[tuple[int, int, int, float]]:
+        return [(s.group_index, s.index_in_group, s.seed, s.output.generated_output[0, 0, 0].item()) for g in groups for s in g]
+
+    assert samples(groups) == samples(control_groups) and len(samples(groups)) == 8
+
+
 def test_http_engine_reports_unreachable_servers():
     import socket
 

@@ -74,11 +74,13 @@ class EmbeddedEngineHost:
 
         import ray
 
+        from miles_core.config.determinism import apply_deterministic_mode
         from miles_core.engine.embedded import EmbeddedEngine
         from miles_core.engine.server import STATE, create_app, start_server
         from miles_core.errors import FleetError
 
         self.stop()
+        apply_deterministic_mode(self.config)  # as the one-process run does for its embedded engine
         self.engine = EmbeddedEngine.from_config(self.config)
         app = create_app(self.engine, update_weight_buffer_size=self.config.update_weight_buffer_size)
         self._loop = asyncio.new_event_loop()

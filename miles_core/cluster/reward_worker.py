@@ -22,8 +22,10 @@ class RewardWorker:
     """Made a Ray actor by :meth:`RayRewardScorer.start`."""
 
     def __init__(self, config: Any) -> None:
+        from miles_core.config.determinism import apply_deterministic_mode
         from miles_core.training.rewards import RewardScorer
 
+        apply_deterministic_mode(config)  # the one-process run scores its rewards under it too
         self.config = config
         self.scorers = {False: RewardScorer(config)}  # a reward that cannot be built fails here
         self.held: dict[tuple[bool, int], Any] = {}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_core.cluster.placement import PlacementPlan, plan_placement
+from miles_core.config.determinism import deterministic_env
 from miles_core.errors import ClusterError
 
 READY_TIMEOUT = 120.0
@@ -60,11 +61,13 @@ def _cause(exc: BaseException) -> BaseException:
 class RayRuntime:
     """A run's Ray connection and placement group (see :func:`start`)."""
 
-    def __init__(self, ray: Any, plan: PlacementPlan, group: Any, started_here: bool) -> None:
+    def __init__(self, ray: Any, plan: PlacementPlan, group: Any, started_here: bool, env_vars: dict[str, str] | None = None) -> None:
         self.ray = ray
         self.plan = plan
         self.group = group
         self.started_here = started_here
+        self.env_vars = dict(env_vars or {})
+        """What every actor of the run gets in its environment (``--deterministic-mode``'s)."""
 
     @classmethod
     def start(
@@ -109,10 +112,11 @@ class RayRuntime:
                 f"available: {available} ({type(exc).__name__})"
             ) from None
         log(plan.describe())
-        return cls(ray, plan, group, started_here)
+        return cls(ray, plan, group, started_here, deterministic_env(config))
 
     def options(self, bundle: int, share: float = 1.0, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
-        """``.options(...)`` for an actor on ``bundle`` taking ``share`` of its device."""
+        """``.options(...)`` for an actor on ``bundle`` taking ``share`` of its device, its
+        environment the run's (:attr:`env_vars`) with ``env_vars`` over it."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         options: dict[str, Any] = {
@@ -123,8 +127,9 @@ class RayRuntime:
             "num_cpus": share,
             "num_gpus": share if self.plan.device == "GPU" and "GPU" in self.plan.bundles[bundle] else 0,
         }
-        if env_vars:
-            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        env = {**self.env_vars, **(env_vars or {})}
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         return options
 
     def shutdown(self) -> None:

@@ -53,6 +53,7 @@ class TrainRank:
         number of trainable parameters this rank holds a shard of."""
         import torch
 
+        from miles_core.config.determinism import apply_deterministic_mode
         from miles_core.engine.factory import sde_backend
         from miles_core.model_loading import load_family
         from miles_core.plugin_manager import get_host
@@ -62,8 +63,7 @@ class TrainRank:
         config = self.config
         init_from_config(config, self.rank, master_addr=master_addr, master_port=master_port)
         torch.manual_seed(config.seed)
-        if config.deterministic_mode:
-            torch.use_deterministic_algorithms(True)
+        apply_deterministic_mode(config)  # the environment came with the actor's runtime_env
         loss_fn = get_host().registries.loss.get(config.loss_type).load()
         self.trainer = Trainer(load_family(config), config, sde_backend(config), loss_fn, dp_rank=self.rank)
         return len(self.trainer.parameters)

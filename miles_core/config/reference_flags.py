@@ -428,7 +428,15 @@ _TABLE: tuple[Flag, ...] = (
         "Prompts sampled per rollout; must equal --rollout-batch-size today.",
         range="[1, inf)",
     ),
-    _f("rollout", "--sglang-server-concurrency", "int", 512, "Per-engine cap on in-flight requests.", range="[1, inf)"),
+    _f(
+        "rollout",
+        "--sglang-server-concurrency",
+        "int",
+        512,
+        "Requests in flight on each engine server at most (http and sglang engines: N servers carry up to N times "
+        "this); the embedded engine, which runs one at a time, has at most this many of a rollout's requests queued.",
+        range="[1, inf)",
+    ),
     # Not in the reference, whose only engine is sglang-diffusion; ours is a registry.
     _f(
         "rollout",

@@ -20,6 +20,11 @@ class RolloutEngine(abc.ABC):
     releases_memory: ClassVar[bool] = False
     """Whether :meth:`release_memory` and :meth:`resume_memory` work (``--offload-rollout``)."""
 
+    caps_per_server: ClassVar[bool] = False
+    """Whether the engine keeps at most ``--sglang-server-concurrency`` requests in flight on
+    each of its servers itself (the ``http`` engines). For the others the rollout keeps at
+    most that many of its requests in flight in all."""
+
     @classmethod
     @abc.abstractmethod
     def from_config(cls, config: Any) -> RolloutEngine:

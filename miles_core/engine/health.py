@@ -124,6 +124,8 @@ class Supervisor:
         """Engines back in service after a restart or a re-admission."""
         self.checks = 0
         """Rounds of health checks done."""
+        self.on_change: Callable[[], None] | None = None
+        """Called whenever a slot's state changes (the engine's waiting requests look again)."""
         self.reset()
 
     def reset(self) -> None:
@@ -141,6 +143,8 @@ class Supervisor:
         return [i for i, state in enumerate(self.state) if state == HEALTHY]
 
     def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
         if self._changed is not None:
             self._changed.set()
         self._changed = None

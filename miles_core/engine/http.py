@@ -2,7 +2,10 @@
 (``miles-core serve-engine``, or sglang-diffusion for generation, disk updates and checksums).
 
 Requests go to the base URL with the fewest requests in flight (ties: the least recently
-chosen), at most ``max_concurrency`` at a time per URL (``--sglang-server-concurrency``).
+chosen) among those with fewer than ``max_concurrency`` in flight
+(``--sglang-server-concurrency``): each server carries at most that many at once, so E
+servers carry up to E x ``max_concurrency``; when every server is full a request waits
+for the first free place, whichever server it is on.
 Response bodies (msgpack + safetensors) are decoded off the event loop, in a pool of
 ``decode_workers`` threads (``--rollout-parser-num-workers``). Weight updates and checksum requests go to
 every URL. A failed request raises :class:`EngineRequestError` naming the URL, the HTTP
@@ -23,6 +26,7 @@ has them since 0.5.23); a server without them answers 404, reported with that hi
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -48,8 +52,25 @@ GENERATE = "/rollout/generate"
 _LOST = object()  # the answer of a server that went down during a weight request
 
 
+class _Slot:
+    """One request's place on server slot ``index``: released once, by whichever of the
+    request's own code or its caller's clean-up gets there first (a task cancelled before
+    it ran never reaches its own ``finally``)."""
+
+    def __init__(self, engine: HttpEngine, index: int) -> None:
+        self.engine = engine
+        self.index = index
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.engine._release(self.index)
+
+
 class HttpEngine(RolloutEngine):
     releases_memory: ClassVar[bool] = True
+    caps_per_server: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -86,8 +107,9 @@ class HttpEngine(RolloutEngine):
         self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         # Per URL slot (a URL may be listed twice: two routes to one server).
         self.in_flight = [0] * len(self.urls)
+        """Requests sent to each slot and not answered yet (at most ``max_concurrency``)."""
         self.sent = [0] * len(self.urls)
-        self._semaphores = [asyncio.Semaphore(max_concurrency) for _ in self.urls]
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self._tick = itertools.count()
         self._last_pick = [-1] * len(self.urls)
         self._session: aiohttp.ClientSession | None = None
@@ -97,6 +119,8 @@ class HttpEngine(RolloutEngine):
         if fault_tolerance is not None:
             # It shares self.urls: a restart puts the new URL in the slot.
             self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart, prepare=prepare)
+            # A server back in service has free places: the waiting requests look again.
+            self.supervisor.on_change = self._wake_all
         elif restart is not None or prepare is not None:
             raise ValueError("restart and prepare go with fault_tolerance")
 
@@ -122,23 +146,62 @@ class HttpEngine(RolloutEngine):
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            # A session and semaphores belong to one event loop; start afresh on another.
+            # A session and waiting futures belong to one event loop; start afresh on another.
             self._loop = loop
             self._session = None
-            self._semaphores = [asyncio.Semaphore(self.max_concurrency) for _ in self.urls]
+            self._waiting = collections.deque()
             if self.supervisor is not None:
                 self.supervisor.reset()
         if self._session is None or self._session.closed:
-            # The semaphores bound concurrency; the connector must not add a lower cap.
+            # The slots bound concurrency; the connector must not add a lower cap.
             connector = aiohttp.TCPConnector(limit=0)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
-    def _pick(self, candidates: Sequence[int] | None = None) -> int:
-        choices = range(len(self.urls)) if candidates is None else candidates
-        index = min(choices, key=lambda i: (self.in_flight[i], self._last_pick[i]))
+    def _pick(self, candidates: Sequence[int]) -> int:
+        index = min(candidates, key=lambda i: (self.in_flight[i], self._last_pick[i]))
         self._last_pick[index] = next(self._tick)
         return index
+
+    async def _acquire(self) -> _Slot:
+        """A place for one request on the least busy server (under fault tolerance: healthy
+        one) with fewer than ``max_concurrency`` in flight; waits while all are full."""
+        while True:
+            choices = range(len(self.urls)) if self.supervisor is None else await self.supervisor.wait_for_healthy()
+            free = [i for i in choices if self.in_flight[i] < self.max_concurrency]
+            if free:
+                index = self._pick(free)
+                self.in_flight[index] += 1
+                self.sent[index] += 1
+                if any(self.in_flight[i] < self.max_concurrency for i in free):
+                    self._wake_one()  # room left (a server came back, or several freed): pass it on
+                return _Slot(self, index)
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: the place goes to the next one
+                raise
+
+    def _release(self, index: int) -> None:
+        self.in_flight[index] -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake the longest waiting request (first in, first served)."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _wake_all(self) -> None:
+        waiting, self._waiting = self._waiting, collections.deque()
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _post(
         self,
@@ -221,20 +284,24 @@ class HttpEngine(RolloutEngine):
         self._client()
         supervisor = self.supervisor
         if supervisor is None:
-            return await self._generate_at(self._pick(), request)
+            slot = await self._acquire()
+            try:
+                return await self._generate_at(slot, request)
+            finally:
+                slot.release()
         supervisor.start()
         attempt = 0
         while True:
             try:
-                index = self._pick(await supervisor.wait_for_healthy())
+                slot = await self._acquire()
             except NoHealthyEngineError as exc:
                 raise EngineRequestError(", ".join(self._distinct_urls()), None, str(exc)) from None
-            url = self.urls[index]
+            url = self.urls[slot.index]
             if attempt:
                 supervisor.retries += 1
             attempt += 1
             try:
-                return await self._attempt(index, request, supervisor.down_signal(index))
+                return await self._attempt(slot, request, supervisor.down_signal(slot.index))
             except EngineRequestError as exc:
                 # An HTTP answer is the server's verdict on the request (a bad request, a
                 # model error): another server would give the same. Only silence is retried.
@@ -243,12 +310,14 @@ class HttpEngine(RolloutEngine):
                 supervisor.mark_down(url, f"a request got no answer: {exc.message}")
                 if attempt >= supervisor.settings.max_attempts:
                     raise
+            finally:
+                slot.release()
 
-    async def _attempt(self, index: int, request: RolloutRequest, down: asyncio.Future) -> list[RolloutOutput]:
-        """:meth:`_generate_at` on slot ``index``, given up when the slot goes down (a hung
+    async def _attempt(self, slot: _Slot, request: RolloutRequest, down: asyncio.Future) -> list[RolloutOutput]:
+        """:meth:`_generate_at` on ``slot``, given up when the slot goes down (a hung
         server never answers: the health checks are what notice it)."""
-        url = self.urls[index]
-        attempt = asyncio.ensure_future(self._generate_at(index, request))
+        url = self.urls[slot.index]
+        attempt = asyncio.ensure_future(self._generate_at(slot, request))
         try:
             await asyncio.wait({attempt, down}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -259,15 +328,14 @@ class HttpEngine(RolloutEngine):
             raise EngineRequestError(url + GENERATE, None, f"the engine went down during the request ({down.result()})")
         return attempt.result()
 
-    async def _generate_at(self, index: int, request: RolloutRequest) -> list[RolloutOutput]:
-        url = self.urls[index]
-        self.in_flight[index] += 1
+    async def _generate_at(self, slot: _Slot, request: RolloutRequest) -> list[RolloutOutput]:
+        """Send ``request`` through ``slot``; its place is given back once the server has
+        answered (the decoding, in this process, does not hold it)."""
+        url = self.urls[slot.index]
         try:
-            async with self._semaphores[index]:
-                self.sent[index] += 1
-                status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(), timeout=self._generate_timeout)
+            status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(), timeout=self._generate_timeout)
         finally:
-            self.in_flight[index] -= 1
+            slot.release()
         self._check(url + GENERATE, status, raw)
         try:
             return await self._decode(raw)

@@ -3,8 +3,11 @@
 Each prompt group of ``n_samples_per_prompt`` samples is split into microgroups of at
 most ``rollout_microgroup_size`` outputs, one ``/rollout/generate`` request each, with
 the seed layout of :mod:`miles_core.rollout.seeds`. All microgroups of a rollout run as
-concurrent tasks, at most ``--sglang-server-concurrency`` in flight; results come back
-in (group, sample) order whatever order the requests finish in. ``on_microgroup`` is
+concurrent tasks: an engine that caps each of its servers (``caps_per_server``, the
+``http`` engines) keeps at most ``--sglang-server-concurrency`` in flight per server;
+for any other engine the rollout keeps at most that many in flight in all. Which server
+serves a microgroup changes nothing in it (its seed is fixed before it is sent); results
+come back in (group, sample) order whatever order the requests finish in. ``on_microgroup`` is
 called as each microgroup returns, so scoring can overlap generation.
 
 :func:`diffusion_rollout` is the whole built-in rollout behind ``miles-core train``,
@@ -14,6 +17,7 @@ with the signature a ``--rollout-function-path`` function has, so one can wrap i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +110,9 @@ async def generate_rollout(
     """Generate every group of one rollout; returns the groups in prompt order, each
     with its samples in seed order. ``generate`` sends one microgroup's request
     (``--custom-generate-function-path`` replaces it)."""
-    limit = asyncio.Semaphore(settings.sglang_server_concurrency)
+    # An engine that caps each server itself must not be capped here too: E servers carry
+    # up to E x --sglang-server-concurrency requests.
+    limit = contextlib.nullcontext() if engine.caps_per_server else asyncio.Semaphore(settings.sglang_server_concurrency)
     groups: list[list[Sample | None]] = [[None] * settings.n_samples_per_prompt for _ in prompts]
 
     async def run(position: int, record: PromptRecord, microgroup: Microgroup) -> None:

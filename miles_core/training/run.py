@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +104,7 @@ async def prepare_run(
     :attr:`RunContext.on_phase <miles_core.training.run_context.RunContext.on_phase>`."""
     import yaml
 
+    from miles_core.config.determinism import apply_deterministic_mode
     from miles_core.config.document import config_document
     from miles_core.config.train_env import apply_train_env_vars
     from miles_core.training.lr_schedule import from_config as lr_schedule_from_config
@@ -140,10 +140,7 @@ async def prepare_run(
         raise RunError(f"learning-rate schedule: {exc}") from None
     data_source = None if supervised or replay else _rollout_source(config, records)
     torch.manual_seed(config.seed)
-    if config.deterministic_mode:
-        # cuBLAS refuses deterministic mode without a fixed workspace; set it before CUDA starts.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    apply_deterministic_mode(config)  # before CUDA starts (cuBLAS reads its workspace setting once)
     generates = not (supervised or config.train_only or replay)
     # --rollout-num-engines (and the embedded engine under --use-ray): the run starts its
     # engine servers once its output folder exists.
