@@ -191,6 +191,24 @@ def run_ranks(
     return results
 
 
+def split_against_one_process(
+    checkpoint: str | Path, workdir: str | Path, flags: Sequence[str], split: Sequence[str], *, family: str | None = None
+) -> dict[str, Any]:
+    """A family's parity check on two gloo ranks: ``{"sp2": [rank results], "local_attention":
+    [rank results], "reference": one process}`` for one rollout of :func:`check_args` with
+    ``flags``; ``split`` holds the sequence-parallel flags, and the ``local_attention`` runs
+    (the control) add :data:`LOCAL_ATTENTION` to them."""
+    workdir = Path(workdir)
+    args = check_args(checkpoint, workdir / "run", *flags, family=family)
+    rollout = make_rollout(args)
+    scenarios = {"sp2": [*args, *split], "local_attention": [*args, *split, LOCAL_ATTENTION]}
+    results = run_ranks(2, scenarios, rollout, workdir / "ranks")
+    from miles_core.config.resolve import resolve_config
+
+    results["reference"] = train_once(resolve_config(args), rollout)
+    return results
+
+
 def gradient_error(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:
     """The largest gradient difference relative to the largest reference gradient (inf
     when the names or shapes differ)."""
@@ -200,4 +218,14 @@ def gradient_error(ours: Mapping[str, torch.Tensor], reference: Mapping[str, tor
     return max(float((ours[k].double() - reference[k].double()).abs().max()) for k in reference) / scale
 
 
-__all__ = ["LOCAL_ATTENTION", "PROMPTS", "check_args", "gradient_error", "gradients", "make_rollout", "run_ranks", "train_once"]
+__all__ = [
+    "LOCAL_ATTENTION",
+    "PROMPTS",
+    "check_args",
+    "gradient_error",
+    "gradients",
+    "make_rollout",
+    "run_ranks",
+    "split_against_one_process",
+    "train_once",
+]

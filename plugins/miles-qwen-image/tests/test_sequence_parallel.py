@@ -7,12 +7,9 @@ loss and gradient; with every attention made local (the control) they do not. Se
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from miles_core import sequence_parallel_checks as checks
-from miles_core.config.resolve import resolve_config
 from miles_qwen_image.family import QwenImageFamily
 
 FLAGS = ("--diffusion-height", "32", "--diffusion-width", "32")
@@ -24,12 +21,7 @@ GRADIENT_RTOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tiny = QwenImageFamily.build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny")
-    args = checks.check_args(tiny, tmp_path_factory.mktemp("run"), *FLAGS, family="qwen_image")
-    rollout = checks.make_rollout(args)
-    scenarios = {"sp2": [*args, *SP2], "local_attention": [*args, *SP2, checks.LOCAL_ATTENTION]}
-    results = checks.run_ranks(2, scenarios, rollout, Path(tmp_path_factory.mktemp("ranks")))
-    results["reference"] = checks.train_once(resolve_config(args), rollout)
-    return results
+    return checks.split_against_one_process(tiny, tmp_path_factory.mktemp("sp"), FLAGS, SP2, family="qwen_image")
 
 
 @pytest.mark.exercises("--sequence-parallel-size", "--ulysses-degree")

@@ -6,12 +6,9 @@ with every attention made local (the control) they do not. See
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from miles_core import sequence_parallel_checks as checks
-from miles_core.config.resolve import resolve_config
 from miles_wan22.family import Wan22Family
 
 FLAGS = (
@@ -36,12 +33,7 @@ GRADIENT_RTOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tiny = Wan22Family.build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan2.2-tiny")
-    args = checks.check_args(tiny, tmp_path_factory.mktemp("run"), *FLAGS)
-    rollout = checks.make_rollout(args)
-    scenarios = {"sp2": [*args, *SP2], "local_attention": [*args, *SP2, checks.LOCAL_ATTENTION]}
-    results = checks.run_ranks(2, scenarios, rollout, Path(tmp_path_factory.mktemp("ranks")))
-    results["reference"] = checks.train_once(resolve_config(args), rollout)
-    return results
+    return checks.split_against_one_process(tiny, tmp_path_factory.mktemp("sp"), FLAGS, SP2)
 
 
 @pytest.mark.exercises("--sequence-parallel-size", "--ulysses-degree")
