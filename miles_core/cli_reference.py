@@ -59,7 +59,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 
 
 def render(host: PluginHost) -> str:
-    from miles_core.cli import generate, list_plugins, make_tiny, serve_engine
+    from miles_core.cli import generate, list_plugins, make_tiny, router, serve_engine
     from miles_core.cli.main import COMMANDS
 
     entries = flag_entries(host.flags)
@@ -71,6 +71,7 @@ def render(host: PluginHost) -> str:
         ("list-plugins", list_plugins.build_parser()),
         ("make-tiny", make_tiny.build_parser(registry_names["model_family"])),
         ("serve-engine", serve_engine.build_parser(registry_names["model_family"])),
+        ("router", router.build_parser()),
         ("generate", generate.build_parser(registry_names["model_family"])),
     ):
         out += [f"### `miles-core {name}`\n", "```text", _usage(parser), "```", ""]

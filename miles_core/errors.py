@@ -102,6 +102,15 @@ class RequestError(InputError, ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+class IpcFormatError(RequestError):
+    """A CUDA-IPC weight update (sglang-diffusion's ``/update_weights_from_tensor`` JSON)
+    that is malformed or names a global its restricted unpickler does not allow."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.message = message
+        super().__init__(field_name, message)
+
+
 class RequestLimitError(RequestError):
     """A request over one of a server's limits. ``status`` is 400 for one field out of
     its allowed range, 413 for a body or a total of work too large; ``limit`` is the
@@ -198,6 +207,13 @@ class RewardsFailedError(RewardError):
     exit_code = 1
 
 
+class RewardWorkerDiedError(RewardError):
+    """A reward-worker actor (``--use-ray``) died; the message names the worker and its
+    node (exit status 1: checkpoints already written are kept)."""
+
+    exit_code = 1
+
+
 class NonFiniteLogProbError(MilesError, ArithmeticError):
     """A step's log-probability is not finite even when recomputed in float64."""
 
@@ -211,6 +227,16 @@ class NonFiniteLogProbError(MilesError, ArithmeticError):
 
 class WeightSyncError(MilesError, RuntimeError):
     """An engine that does not hold the weights the trainer sent it."""
+
+
+class WeightGroupError(WeightSyncError):
+    """A weight-update group (``--weight-sync-path distributed``) that an engine could not
+    join or use. Exit status 1 mid-run; 2 when it happens at start-up (``startup``: the
+    run's first sync), before anything was trained."""
+
+    def __init__(self, message: str, *, startup: bool = False) -> None:
+        super().__init__(message)
+        self.exit_code = 2 if startup else 1
 
 
 class EngineRequestError(MilesError, RuntimeError):

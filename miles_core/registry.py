@@ -80,6 +80,11 @@ class Registry:
         if self.check(registration):
             self._entries[registration.spec.name] = registration
 
+    def discard(self, name: str) -> None:
+        """Withdraw ``name`` if registered (a component an application or a test added
+        in-process for a while; entry-point plugins are withdrawn by uninstalling them)."""
+        self._entries.pop(name, None)
+
     def get(self, name: str) -> Registration:
         try:
             return self._entries[name]

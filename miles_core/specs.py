@@ -204,6 +204,10 @@ class RewardSpec(Spec):
     kind: ClassVar[str] = "reward"
     modality: tuple[str, ...] = ("image", "video")
     """Which outputs it can score."""
+    uses_gpu: bool = False
+    """It runs a model that wants a GPU: under ``--use-ray`` on a GPU cluster each reward
+    worker then gets one GPU unless ``--reward-num-gpus-per-worker`` says otherwise (a
+    weight-free reward's workers get none)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,9 @@
 # <section>.json and <section>.md under $OUT (else a new temporary folder) and should
 # finish within 4 minutes.
 #   scripts/gpu_lane.sh                  every section
-#   scripts/gpu_lane.sh --only train     one section (see SECTIONS)
+#   scripts/gpu_lane.sh --only train     one section (see SECTIONS): train (bench/gpu_train.py),
+#                                        ipc_sync (bench/gpu_ipc_sync.py), group_sync
+#                                        (bench/gpu_group_sync.py; its nccl case needs 2 GPUs)
 #   scripts/gpu_lane.sh --dry-run        every section at the tiny size on the CPU, with
 #                                        .venv's Python and nothing installed (seconds)
 #   scripts/gpu_lane.sh --install-only   build .gpu-venv/ and stop
@@ -16,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-SECTIONS=(train)
+SECTIONS=(train ipc_sync group_sync)
 
 usage() { echo "usage: scripts/gpu_lane.sh [--only SECTION] [--dry-run | --install-only]; sections: ${SECTIONS[*]}" >&2; exit 2; }
 only=""
@@ -104,6 +106,8 @@ mkdir -p "$RESULTS"
 section_command() {  # sets cmd
   case $1 in
     train) cmd=("$PY" bench/gpu_train.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
+    ipc_sync) cmd=("$PY" bench/gpu_ipc_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
+    group_sync) cmd=("$PY" bench/gpu_group_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
   esac
 }
 

@@ -18,12 +18,12 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "train_step.py": ["--repeats", "1", "--sizes", "tiny"],
     "reward_streaming.py": ["--repeats", "1", "--prompts", "1", "--n", "2", "--microgroup", "2", "--steps", "4", "--cost-ms", "1"],
     "rollout.py": ["--steps", "2", "--repeats", "1", "--no-http"],
-    "fleet.py": ["--repeats", "1", "--requests", "2", "--outputs", "1", "--steps", "2"],
+    "fleet.py": ["--repeats", "1", "--requests", "2", "--outputs", "1", "--steps", "2", "--sync-scale", "tiny"],
     "memory.py": ["--smoke"],
 }
 """One tiny round of each benchmark: the smallest arguments that still run every phase it measures."""
 
-LANE_SECTIONS = {"gpu_train.py": "train"}
+LANE_SECTIONS = {"gpu_train.py": "train", "gpu_ipc_sync.py": "ipc_sync", "gpu_group_sync.py": "group_sync"}
 """The GPU lane's sections under ``bench/``: their dry run is the lane's (below)."""
 
 
@@ -98,11 +98,29 @@ def test_gpu_lane_dry_run_runs_every_section(tmp_path):
     table = (tmp_path / "train.md").read_text(encoding="utf-8")
     assert "| case | status | rollout s |" in table and "| alignment probe (fp32) |" in table
 
+    # Weight sync to a serve-engine process: CPU shared memory standing in for CUDA-IPC
+    # handles, and a gloo weight-update group (the nccl case needs two GPUs). The engine's
+    # checksum equals the trainer's after every sync; one trainer weight changed afterwards
+    # (the control) makes the comparison fail.
+    ipc = json.loads((tmp_path / "ipc_sync.json").read_text(encoding="utf-8"))
+    assert ipc["dry_run"] is True and ipc["device"] == "CPU"
+    assert ipc["result"]["checksums"] == "equal after every sync" and ipc["result"]["control"] == "mismatch detected"
+    assert ipc["result"]["bytes"] > 0
+    group = json.loads((tmp_path / "group_sync.json").read_text(encoding="utf-8"))
+    assert group["dry_run"] is True and group["device"] == "CPU" and group["gpus"] == 0
+    nccl, gloo = group["result"]["cases"]
+    assert nccl == {"case": "nccl, engine on its own GPU", "status": "skipped: no GPU (CPU dry run)"}
+    assert gloo["case"] == "gloo, buckets staged in host memory" and gloo["status"] == "ok" and gloo["backend"] == "gloo"
+    assert gloo["checksums"] == "equal after every sync" and gloo["control"] == "mismatch detected"
+    assert gloo["bytes"] == group["result"]["bytes"] > 0 and gloo["transfer_s"] > 0 and gloo["checksum_s"] > 0
+    for section in ("ipc_sync", "group_sync"):
+        assert "| path | seconds | MB/s | ratio to in-process copy |" in (tmp_path / f"{section}.md").read_text(encoding="utf-8")
+
 
 def test_gpu_lane_names_its_sections_when_one_is_unknown():
     result = _lane("--only", "bogus")
     assert result.returncode == 2
-    assert result.stderr == "gpu_lane.sh: unknown section 'bogus'; the sections are: train\n"
+    assert result.stderr == "gpu_lane.sh: unknown section 'bogus'; the sections are: train ipc_sync group_sync\n"
 
 
 def test_gpu_lane_needs_the_wheels_folder(tmp_path):

@@ -397,7 +397,7 @@ def test_fault_tolerance_settings_are_checked_and_noted(tiny_sd3, prompts, tmp_p
     notes = resolve_config([*base, "--rollout-health-check-interval", "5", "--miles-router-health-check-failure-threshold", "2"]).notes
     assert (
         "--rollout-health-check-interval, --miles-router-health-check-failure-threshold: the engine health "
-        "checks run only under --use-fault-tolerance, so they have no effect"
+        "checks run only under --use-fault-tolerance or --use-miles-router, so they have no effect"
     ) in notes, notes
     notes = resolve_config([*base, "--use-fault-tolerance", "--miles-router-timeout", "60"]).notes
     assert any(n.startswith("--use-fault-tolerance has no effect with --rollout-engine embedded") for n in notes), notes

@@ -158,10 +158,10 @@ def test_sglang_pass_through_arguments_are_noted_without_an_sglang_engine():
 def test_train_refuses_an_unavailable_flag_with_one_line(tmp_path, capsys):
     from miles_core.cli.main import main
 
-    code = main(["train", *BASE, "--use-miles-router", "--output-dir", str(tmp_path / "run")])
+    code = main(["train", *BASE, "--use-miles-dashboard", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2
-    assert "miles-core train: error: --use-miles-router: the miles router (a separate routing process) is not" in err
+    assert "miles-core train: error: --use-miles-dashboard: the miles dashboard is a separate product" in err
     assert not (tmp_path / "run").exists()
 
 

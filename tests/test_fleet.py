@@ -66,17 +66,40 @@ def _fleet_run(tiny_sd3, prompts, out, engines: int, *extra: str) -> list[dict]:
     return run_metrics(args, timeout=300)
 
 
-@pytest.mark.exercises("--rollout-num-engines", "--rollout-engine", "--update-weight-buffer-size")
+@pytest.mark.exercises("--rollout-num-engines", "--rollout-engine", "--update-weight-buffer-size", "--use-miles-router")
 def test_a_run_with_two_engines_syncs_both_and_matches_one_engine(tiny_sd3, prompts, tmp_path, monkeypatch):
+    """Also through the miles router (--use-miles-router; tests/test_router.py tests the
+    router itself): the same metrics as the in-process routing, the requests spread over
+    both engines by the router, the weights synced to each engine directly."""
+    from miles_core.engine.http import HttpEngine
+
     syncs = _recording_sync(monkeypatch)
+    routers: list[list[dict]] = []
+    original_close = HttpEngine.close
+
+    async def close(self):  # the router's view of its engines, before the run stops it
+        if self.router is not None:
+            routers.append(await self.workers())
+        await original_close(self)
+
+    monkeypatch.setattr(HttpEngine, "close", close)
     buffer = ("--update-weight-buffer-size", str(64 * 1024))
     two = _fleet_run(tiny_sd3, prompts, tmp_path / "two", 2, *buffer)
     two_syncs, syncs[:] = list(syncs), []
+    routed = _fleet_run(tiny_sd3, prompts, tmp_path / "routed", 2, *buffer, "--use-miles-router")
+    routed_syncs, syncs[:] = list(syncs), []
     one = _fleet_run(tiny_sd3, prompts, tmp_path / "one", 1, *buffer)
     assert [r["rollout_id"] for r in two] == [0, 1]
+    assert _outcome(routed) == _outcome(two)
+    # Control: the compared records change with the requests (rollout 1's seeds and
+    # weights are not rollout 0's), so equal records mean equal requests; through the
+    # router a changed seed changes the answer (tests/test_router.py).
+    assert routed[0]["rollout/reward/raw_mean"] != routed[1]["rollout/reward/raw_mean"]
+    assert len(routers) == 1 and sorted(w["sent"] for w in routers[0]) == [2, 2]  # one request per engine per rollout
+    assert all(sent == 0 for sent in routed_syncs[0]["engine"].sent)  # none routed in the run's process
     # One sync before the first rollout and one after each update, to every engine, each
     # engine's checksum equal to the trainer's.
-    for run_syncs, engines in ((two_syncs, 2), (syncs, 1)):
+    for run_syncs, engines in ((two_syncs, 2), (routed_syncs, 2), (syncs, 1)):
         assert len(run_syncs) == 3
         for sync in run_syncs:
             assert len(set(sync["urls"])) == engines and set(sync["reported"]) == set(sync["urls"])

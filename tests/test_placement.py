@@ -40,13 +40,15 @@ def test_one_bundle_per_training_rank_then_the_reward_worker():
 
 @pytest.mark.exercises("--rollout-num-gpus-per-engine", "--rollout-num-gpus")
 def test_engines_take_their_own_bundles_and_must_match_the_rollout_gpus():
-    plan = plan_placement(config("--rollout-num-gpus-per-engine", "2"), gpus=True, engines=2)
+    # sglang-diffusion servers take several devices each (a serve-engine server is refused them).
+    sglang = ("--rollout-engine", "sglang")
+    plan = plan_placement(config(*sglang, "--rollout-num-gpus-per-engine", "2"), gpus=True, engines=2)
     assert plan.train == [0] and plan.engines == [[1, 2], [3, 4]] and plan.reward == 5
     assert plan.bundles[1:5] == [{"GPU": 1.0, "CPU": 1.0}] * 4 and plan.bundles[5] == {"CPU": 1.0}
-    same = plan_placement(config("--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus", "4"), gpus=True, engines=2)
+    same = plan_placement(config(*sglang, "--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus", "4"), gpus=True, engines=2)
     assert same.engines == plan.engines
     with pytest.raises(PlacementError) as info:
-        plan_placement(config("--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus", "3"), gpus=True, engines=2)
+        plan_placement(config(*sglang, "--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus", "3"), gpus=True, engines=2)
     assert str(info.value) == "--rollout-num-gpus 3 does not match 2 engine(s) x --rollout-num-gpus-per-engine 2 = 4"
 
 
@@ -69,13 +71,15 @@ def test_a_node_cannot_hold_more_devices_than_it_has():
         plan_placement(config("--actor-num-gpus-per-node", "4", "--num-gpus-per-node", "2"), gpus=True)
     assert str(info.value).startswith("--actor-num-gpus-per-node 4 exceeds --num-gpus-per-node 2")
     with pytest.raises(PlacementError, match="--rollout-num-gpus-per-engine 4 exceeds --num-gpus-per-node 2"):
-        plan_placement(config("--rollout-num-gpus-per-engine", "4", "--num-gpus-per-node", "2"), gpus=True, engines=1)
+        plan_placement(
+            config("--rollout-engine", "sglang", "--rollout-num-gpus-per-engine", "4", "--num-gpus-per-node", "2"), gpus=True, engines=1
+        )
     assert plan_placement(config("--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2"), gpus=True).train == [0, 1]
 
 
 def test_placement_flags_are_not_noted_as_hardware_only_under_ray():
     """Under --use-ray they size the placement group; without Ray a one-process run notes them."""
-    argv = ["--rollout-num-gpus-per-engine", "2", "--colocate"]
+    argv = ["--rollout-engine", "sglang", "--rollout-num-gpus-per-engine", "2", "--colocate"]
     without = resolve_config([*BASE[:-1], *argv])
     assert any(note.startswith("--colocate: with the hardware it needs") for note in _notes(without))
     assert not any("--colocate" in note for note in _notes(config(*argv)))

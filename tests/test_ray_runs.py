@@ -37,19 +37,6 @@ from miles_core.training.checkpoint import load_checkpoint
 from tests.tiny_runs import run_metrics, tiny_run_args
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray instance for the module: runs find it initialised and reuse it."""
-    # Actors inherit the environment Ray starts with: keep out the variable a one-process
-    # --deterministic-mode run earlier in this process set, so only a run's own env reaches them.
-    cublas = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    if cublas is not None:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
-    yield
-    ray.shutdown()
-
-
 def _args(tiny_sd3: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     return [
         *tiny_run_args(tiny_sd3, prompts, out, batch=2, n=2, steps=3, sde_steps=2),
@@ -316,26 +303,33 @@ def test_deterministic_mode_reaches_every_actor_of_a_ray_run(tiny_sd3, prompts, 
     assert deterministic_env(user) == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
 
 
+@pytest.mark.exercises("--deterministic-mode")
 def test_a_ray_engine_host_restarts_its_server(tiny_sd3, prompts, tmp_path, ray_cluster):
+    """... in its bundle, with the run's --deterministic-mode passed to serve-engine: the
+    server runs torch's deterministic algorithms and says so in /health (a serve-engine
+    without the flag says false: tests/test_engine_placement.py's stand-in servers)."""
     import signal
     import urllib.request
 
     from miles_core.cluster.engine_hosts import RayEngineFleet
     from miles_core.cluster.runtime import RayRuntime
 
-    config = resolve_config(
-        _args(tiny_sd3, prompts, tmp_path / "out", "--use-ray", "--rollout-engine", "http", "--rollout-num-engines", "1")
-    )
+    args = ("--use-ray", "--rollout-engine", "http", "--rollout-num-engines", "1", "--deterministic-mode")
+    config = resolve_config(_args(tiny_sd3, prompts, tmp_path / "out", *args))
     runtime = RayRuntime.start(config, engines=1)
     fleet = RayEngineFleet.start(config, runtime, tmp_path / "engines")
     try:
         (pid,) = fleet.pids()
+        (before,) = fleet.placements()
+        assert before.bundles == (1,) and before.pid == pid and before.env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
         os.kill(pid, signal.SIGKILL)
         new_url = fleet.restart(0)
         (new_pid,) = fleet.pids()
         assert new_pid != pid and fleet.urls == [new_url]
+        (after,) = fleet.placements()
+        assert (after.bundles, after.node_id, after.env) == (before.bundles, before.node_id, before.env)
         with urllib.request.urlopen(new_url + "/health", timeout=10) as response:
-            assert response.status == 200
+            assert response.status == 200 and json.loads(response.read()) == {"status": "ok", "deterministic": True}
     finally:
         fleet.stop()
         runtime.shutdown()

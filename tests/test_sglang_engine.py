@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from miles_core.engine.factory import create_engine
 from miles_core.engine.sglang import SERVE_MODULE, SglangEngine, check_python, serve_command, server_args
 from miles_core.errors import RunError, SglangEngineError
 from miles_core.request import RolloutRequest
+from tests.sglang_stand_in import build_stand_in_sglang, script
 
 
 def config_for(tiny_sd3, *extra):
@@ -50,40 +50,10 @@ def config_for(tiny_sd3, *extra):
     )
 
 
-def script(path: Path, body: str) -> Path:
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-    return path
-
-
-FAKE_MAIN = """
-import json, os, sys
-from miles_core.cli.serve_engine import run
-
-argv = sys.argv[1:]
-with open(os.environ["FAKE_SGLANG_RECORD"] + f".{os.getpid()}", "w") as f:
-    json.dump(argv, f)
-assert argv[0] == "serve"
-value = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
-sys.exit(run(["--hf-checkpoint", value["--model-path"], "--diffusion-model-family", "sd3", "--device", "cpu",
-              "--host", value["--host"], "--port", value["--port"]]))
-"""
-
-
 @pytest.fixture
 def fake_sglang(tmp_path):
     """A Python whose ``sglang.multimodal_gen...cli.main serve`` runs ``miles-core serve-engine``."""
-    root = tmp_path / "fake"
-    package = root / "sglang" / "multimodal_gen" / "runtime" / "entrypoints" / "cli"
-    package.mkdir(parents=True)
-    for folder in [package, *package.parents]:
-        if folder == root:
-            break
-        (folder / "__init__.py").write_text("")
-    (package / "main.py").write_text(textwrap.dedent(FAKE_MAIN))
-    record = tmp_path / "argv"
-    python = script(tmp_path / "python", f'PYTHONPATH="{root}" FAKE_SGLANG_RECORD="{record}" exec "{sys.executable}" "$@"')
-    return python, record
+    return build_stand_in_sglang(tmp_path)
 
 
 # -- the command line ------------------------------------------------------------------------

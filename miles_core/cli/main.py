@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("miles_core.cli.score", "Score image files with a reward (--rm-type ...), as a training run would"),
     "generate": ("miles_core.cli.generate", "Sample a checkpoint (optionally with a LoRA) to image or video files"),
     "serve-engine": ("miles_core.cli.serve_engine", "Serve a model over HTTP as a rollout engine (POST /rollout/generate)"),
+    "router": ("miles_core.cli.router", "Route POST /rollout/generate over engine servers (the miles router)"),
 }
 
 

@@ -49,6 +49,19 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
         help="largest weight-update bucket clients send, in bytes; request bodies up to twice this plus 16 MiB "
         "are accepted (default: %(default)s)",
     )
+    parser.add_argument(
+        "--accept-ipc-weights",
+        action="store_true",
+        help="take sglang-diffusion's /update_weights_from_tensor format (serialized_named_tensors: pickled "
+        "CUDA-IPC handles) from loopback peers; unpickling runs its sender's code, so a run sets this only for "
+        "an engine it places on its trainer's GPU (default: refused with 403)",
+    )
+    parser.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="deterministic kernels, as the run's --deterministic-mode: torch's deterministic algorithms and "
+        'CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; GET /health reports it ("deterministic": true)',
+    )
     limits = parser.add_argument_group(
         "request limits",
         "The most one POST /rollout/generate may ask for; over a limit the server answers 400 (a field) or 413 "
@@ -118,6 +131,12 @@ def parse_args(argv: Sequence[str], prog: str = "miles-core serve-engine") -> tu
 
 def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
     args, family = parse_args(argv, prog)
+    if args.deterministic_mode:  # before the model loads and before CUDA starts
+        from types import SimpleNamespace
+
+        from miles_core.config.determinism import apply_deterministic_mode
+
+        apply_deterministic_mode(SimpleNamespace(deterministic_mode=True, train_env_vars=None))
     try:
         return asyncio.run(_serve(args, family))
     except OSError as exc:  # the address is taken or cannot be bound
@@ -142,6 +161,7 @@ def build_app(args: argparse.Namespace, family: str, on_load_error: Callable[[Ba
         on_load_error=on_load_error,
         limits={name: getattr(args, name) for name in LIMIT_FLAGS},
         max_generate_body_bytes=args.max_generate_body_bytes,
+        accept_ipc_weights=args.accept_ipc_weights,
     )
 
 

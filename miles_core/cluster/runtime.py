@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from miles_core.cluster.placement import PlacementPlan, plan_placement
+from miles_core.cluster.placement import PlacementPlan, check_reward_capacity, plan_placement
 from miles_core.config.determinism import deterministic_env
 from miles_core.errors import ClusterError
 
@@ -99,6 +99,12 @@ class RayRuntime:
                 raise
         from ray.util.placement_group import placement_group, remove_placement_group
 
+        try:
+            check_reward_capacity(config, plan, ray.cluster_resources())
+        except ValueError:
+            if started_here:
+                ray.shutdown()
+            raise
         group = placement_group(plan.bundles, strategy="PACK")
         try:
             ray.get(group.ready(), timeout=READY_TIMEOUT)

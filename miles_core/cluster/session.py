@@ -22,7 +22,7 @@ class RaySession:
     @classmethod
     def start(cls, config: Any, *, engines: int, reward_worker: bool, log: Callable[[str], None] = lambda line: None) -> RaySession:
         """Connect and reserve the placement for ``engines`` servers the run starts and,
-        with ``reward_worker``, the reward worker."""
+        with ``reward_worker``, the reward workers."""
         return cls(config, RayRuntime.start(config, engines=engines, reward_worker=reward_worker, log=log))
 
     def start_trainer(self) -> Any:
@@ -35,7 +35,7 @@ class RaySession:
         return self.trainer
 
     def reward_scorer(self) -> Any:
-        """The run's reward on its worker (one per session)."""
+        """The run's reward on its ``--reward-num-workers`` workers (one scorer per session)."""
         if self.scorer is None:
             from miles_core.cluster.reward_worker import RayRewardScorer
 
@@ -51,7 +51,22 @@ class RaySession:
 
         if self.config.rollout_engine == "embedded":
             return RayEngineFleet.start_embedded(self.config, self.runtime)
+        if self.config.rollout_engine == "sglang":  # its work directory (weight syncs, logs) is log_dir
+            return RayEngineFleet.start_sglang(self.config, self.runtime, log_dir)
         return RayEngineFleet.start(self.config, self.runtime, log_dir)
+
+    def poster(self, fleet: Any) -> Any:
+        """``--use-distributed-post``: the post actors on ``fleet``'s nodes, a
+        :class:`~miles_core.cluster.post_actors.DistributedPoster` (stopped with the session)."""
+        from miles_core.cluster.post_actors import DistributedPoster
+
+        poster = DistributedPoster.start(self.config, self.runtime, fleet)
+        self._closers.append(poster.close)
+        return poster
+
+    def node_address(self) -> str:
+        """This (the driver's) node's IP address, which actors on other nodes reach."""
+        return self.runtime.ray.util.get_node_ip_address()
 
     def close(self) -> None:
         try:

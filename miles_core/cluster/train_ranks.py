@@ -190,7 +190,9 @@ class TrainRank:
 
     def close(self) -> None:
         from miles_core.training.fsdp import destroy_process_group
+        from miles_core.training.weight_sync import close_weight_groups
 
+        asyncio.run(close_weight_groups())  # rank 0's weight-update groups (--weight-sync-path distributed)
         destroy_process_group()
 
 
@@ -304,7 +306,7 @@ class RayTrainer:
         checksums must equal those of what rank 0 sent. Under fault tolerance a server
         that stops answering is marked down and the sync goes on to the others, as
         :meth:`HttpEngine.update_weights_from_tensors` does."""
-        from miles_core.errors import EngineRequestError
+        from miles_core.errors import EngineRequestError, WeightGroupError
         from miles_core.training.weight_sync import SyncResult, check_checksums, sync_lora_only
 
         began = time.perf_counter()
@@ -313,6 +315,9 @@ class RayTrainer:
         while True:
             urls = engine.weight_urls()
             answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema))[0]
+            if answer.get("failure"):  # --weight-sync-path distributed: the group could not be made or used
+                message, exit_code = answer["failure"]
+                raise WeightGroupError(message, startup=exit_code == 2)
             if answer["error"] is None:
                 break
             url, status, message = answer["error"]

@@ -17,8 +17,8 @@ from miles_core.machine import visible_gpu_count
 
 def _shown(config: Config, dest: str) -> str:
     """``--flag value``, or just ``--flag`` for a switch."""
-    flag = config.flag(dest)
-    return flag.name if flag.type in ("bool", "tristate") and config.get(dest) is True else f"{flag.name} {config.get(dest)}"
+    flag, name = config.flag(dest), config.given_name(dest)
+    return name if flag.type in ("bool", "tristate") and config.get(dest) is True else f"{name} {config.get(dest)}"
 
 
 def _set_away_from_default(config: Config, dest: str) -> bool:
@@ -79,7 +79,15 @@ def unavailable_errors(config: Config) -> list[str]:
     return errors
 
 
-RAY_PLACEMENT_FLAGS = ("--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--num-gpus-per-node", "--colocate", "--colocate-reward")
+RAY_PLACEMENT_FLAGS = (
+    "--rollout-num-gpus",
+    "--rollout-num-gpus-per-engine",
+    "--num-gpus-per-node",
+    "--colocate",
+    "--colocate-reward",
+    "--reward-num-workers",
+    "--reward-num-gpus-per-worker",
+)
 """Hardware-only flags that size the placement group of a ``--use-ray`` run (CPUs stand
 in for GPUs where there are none)."""
 
@@ -227,10 +235,15 @@ def _fault_tolerance_notes(config: Config) -> list[str]:
     request timeout, for an engine that has no servers (embedded)."""
     notes = []
     unused = [config.flag(dest).name for dest in _HEALTH_CHECK_SETTINGS if _set_away_from_default(config, dest)]
-    if unused and not config.get("use_fault_tolerance"):
+    if unused and not (config.get("use_fault_tolerance") or config.get("use_miles_router")):
         notes.append(
-            f"{', '.join(unused)}: the engine health checks run only under --use-fault-tolerance, so "
+            f"{', '.join(unused)}: the engine health checks run only under --use-fault-tolerance or --use-miles-router, so "
             f"{'they have' if len(unused) > 1 else 'it has'} no effect"
+        )
+    if config.get("miles_router_max_connections") is not None and not config.get("use_miles_router"):
+        notes.append(
+            f"{_shown(config, 'miles_router_max_connections')}: no effect without --use-miles-router (it caps the "
+            "router's connections to the engines)"
         )
     engine = config.get("rollout_engine")
     if engine == "embedded" and config.get("use_fault_tolerance"):

@@ -185,6 +185,13 @@ class Flag:
     nargs: str | None = None
     aliases: tuple[str, ...] = ()
     """Other spellings (legacy names)."""
+    alias_of: str | None = None
+    """Another flag this one is a second name for (``--pickscore-num-workers`` for
+    ``--reward-num-workers``), typically a plugin keeping a reference name that the core
+    generalised. It keeps an entry of its own (its YAML key, its own range), but a value
+    given to it sets the other flag, and after resolution both hold the other flag's
+    value; both given with different values is a configuration error naming both. Its
+    default is None (unset: the other flag decides) and its type the other flag's."""
     auto: bool = False
     """The default is ``auto``: resolved from the machine (see ``differs``)."""
     path_kind: str | None = None
@@ -223,6 +230,8 @@ class Flag:
             raise ValueError(f"flag {self.name}: reference_default and differs go together")
         if self.hardware and self.unavailable:
             raise ValueError(f"flag {self.name}: hardware-only and unavailable are exclusive")
+        if self.alias_of is not None and (self.default is not None or self.hardware or self.unavailable or self.auto):
+            raise ValueError(f"flag {self.name}: an alias of {self.alias_of} has no default, hardware note or availability of its own")
         if self.range is not None:
             object.__setattr__(self, "value_range", self._parse_range(self.range))
 

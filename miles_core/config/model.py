@@ -86,6 +86,8 @@ class Config:
         """A command's own arguments parsed beside the flags (``miles-core score``)."""
         self.notes: list[str] = []
         """Warnings raised while resolving (YAML overrides, ignored flags)."""
+        self.given_as: dict[str, str] = {}
+        """dest -> the alias flag (:attr:`Flag.alias_of`) its value was given with."""
 
     # -- building ------------------------------------------------------------------
 
@@ -134,6 +136,10 @@ class Config:
 
     def flag(self, dest: str) -> Flag:
         return self._entries[dest].flag
+
+    def given_name(self, dest: str) -> str:
+        """The flag name the user gave ``dest``'s value with: its alias when set through one."""
+        return self.given_as.get(dest) or self._entries[dest].flag.name
 
     def owner(self, dest: str) -> PluginInfo:
         return self._entries[dest].owner

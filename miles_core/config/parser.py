@@ -52,6 +52,17 @@ def flag_entries(plugin_flags: Sequence[Any] = ()) -> dict[str, FlagEntry]:
                 f"{owned.flag.name} is defined by both {existing.owner} and {owned.owner}; disable one of them (MILES_DISABLED_PLUGINS)"
             )
         entries[owned.flag.dest] = FlagEntry(owned.flag, owned.owner)
+    by_name = {entry.flag.name: entry.flag for entry in entries.values()}
+    for entry in entries.values():
+        alias, target = entry.flag, by_name.get(entry.flag.alias_of or "")
+        if alias.alias_of is None:
+            continue
+        if target is None or target.alias_of is not None or target.type != alias.type or target.nargs != alias.nargs:
+            if target is None or target.alias_of is not None:
+                why = "no such flag" if target is None else "itself an alias"
+            else:
+                why = f"it takes {target.type}{' ' + target.nargs if target.nargs else ''}, not {alias.type}{' ' + alias.nargs if alias.nargs else ''}"
+            raise ConfigError(f"{alias.name} ({entry.owner}) is declared an alias of {alias.alias_of}: {why}")
     return entries
 
 

@@ -419,6 +419,24 @@ _TABLE: tuple[Flag, ...] = (
         "(its steps fall on both sides of the expert boundary).",
     ),
     _f("rollout", "--update-weight-buffer-size", "int", 512 * 1024**2, "Weight-sync chunk size in bytes (512 MiB).", range="[1, inf)"),
+    _f(
+        "rollout",
+        "--weight-sync-path",
+        "str",
+        "auto",
+        "Not in the reference. How weight syncs reach the engines: cuda-ipc (CUDA-IPC handles in sglang-diffusion's "
+        "update_weights_from_tensor format, an engine on the trainer's GPU: needs --colocate and CUDA), distributed (a "
+        "torch.distributed group between training rank 0 and the engine servers, nccl with CUDA and gloo without, "
+        "broadcast in --update-weight-buffer-size buckets; serve-engine servers), http (safetensors buckets over HTTP; "
+        "serve-engine) or disk (safetensors files loaded with /update_weights_from_disk; --rollout-engine sglang). auto: "
+        "cuda-ipc when colocated on CUDA, distributed for serve-engines the run places on GPUs of their own under "
+        "--use-ray, else http (serve-engine) or disk (sglang).",
+        choices=("auto", "cuda-ipc", "distributed", "http", "disk"),
+        reference_default="(no such flag)",
+        differs="The reference's sglang-diffusion engines are synced through the disk or CUDA-IPC handles; engines here "
+        "are a registry with several transports, so the path is a choice (auto picks the one the reference would where "
+        "it applies).",
+    ),
     _f("rollout", "--rollout-seed", "int", 42, "Random seed for rollout generation.", range="[0, 4294967295]"),
     _f(
         "rollout",
@@ -488,14 +506,19 @@ _TABLE: tuple[Flag, ...] = (
         "--use-distributed-post",
         "bool",
         False,
-        "Send rollout HTTP POSTs through per-node Ray actors instead of the local client (MILES_HTTP_POST_ACTORS_PER_NODE sets the count).",
+        "Send rollout HTTP POSTs through per-node Ray actors instead of the local client (MILES_HTTP_POST_ACTORS_PER_NODE sets the "
+        "count): each posts to the engines on its node and decodes their answers there. Requires --use-ray and engine servers "
+        "the run starts.",
     ),
     _f(
         "rollout",
         "--use-miles-router",
         "bool",
         False,
-        "Route requests through the miles router; required, the SGLang router is not supported.",
+        "Route the rollout requests through the miles router: a separate process (miles-core router) the run starts in "
+        "front of the engine servers it starts (--rollout-engine http --rollout-num-engines N), least busy engine first, "
+        "health-checked, a request without an answer retried on another engine; weight syncs still go to each engine. "
+        "The SGLang router is not supported.",
     ),
     _f(
         "rollout",
@@ -503,17 +526,25 @@ _TABLE: tuple[Flag, ...] = (
         "float",
         None,
         "Seconds one /rollout/generate request to an http or sglang engine server may take (unset: no limit); a request past it "
-        "fails, or under --use-fault-tolerance takes its server down and is retried on another.",
+        "fails, or under --use-fault-tolerance or --use-miles-router takes its server down and is retried on another.",
         range="(0, inf)",
     ),
-    _f("rollout", "--miles-router-max-connections", "int", None, "miles router connection-pool limit.", range="[1, inf)"),
+    _f(
+        "rollout",
+        "--miles-router-max-connections",
+        "int",
+        None,
+        "Connections the miles router keeps open to the engines at once, all together (its connection pool); a request "
+        "waits for one. Unset: no cap beyond --sglang-server-concurrency per engine. --use-miles-router.",
+        range="[1, inf)",
+    ),
     _f(
         "rollout",
         "--miles-router-health-check-failure-threshold",
         "int",
         3,
         "Failed health checks in a row before an engine is taken out of routing (and restarted when the run started "
-        "it); --use-fault-tolerance.",
+        "it); --use-fault-tolerance or --use-miles-router.",
         range="[1, inf)",
     ),
     # ------------------------------------------------------------------ data and batching
@@ -788,6 +819,35 @@ _TABLE: tuple[Flag, ...] = (
     ),
     _f(
         "reward",
+        "--reward-num-workers",
+        "int",
+        1,
+        "Not in the reference. Reward-worker actors under --use-ray, each on a bundle of its own: every scoring "
+        "call is split into contiguous chunks (whole prompt groups under --group-rm), one per worker, and the "
+        "rewards and metrics are those of one worker. With --colocate-reward, one per rollout device at most. "
+        "The miles-rewards plugin's --pickscore-num-workers is another name for it.",
+        range="[1, inf)",
+        reference_default="(no such flag)",
+        differs="Added: the reference sizes only PickScore's workers (--pickscore-num-workers); here every reward "
+        "(model, mixture or --custom-rm-path) runs on the workers.",
+    ),
+    _f(
+        "reward",
+        "--reward-num-gpus-per-worker",
+        "float",
+        None,
+        "Not in the reference. GPUs per reward worker under --use-ray on a GPU cluster: its bundle is "
+        '{"GPU": G, "CPU": 1}, fractions below 1 share a GPU, above 1 a whole number; 0 gives a {"CPU": 1} '
+        "bundle (the reward on the CPU). Unset: 1 when a reward in use runs a model (its RewardSpec says "
+        "uses_gpu: pickscore, aesthetic), else 0. Not with --colocate-reward (a 0.05 share of a rollout device). "
+        "The miles-rewards plugin's --pickscore-num-gpus-per-worker is another name for it.",
+        range="[0, inf)",
+        reference_default="(no such flag)",
+        differs="Added: the reference gives GPUs only to PickScore's workers (--pickscore-num-gpus-per-worker, "
+        "default 1); here a weight-free reward keeps its worker off the GPUs.",
+    ),
+    _f(
+        "reward",
         "--rollout-parser-num-workers",
         "int",
         1,
@@ -1051,12 +1111,18 @@ _TABLE: tuple[Flag, ...] = (
 
 HARDWARE_ONLY: dict[str, str] = {
     "--rollout-num-gpus": "reserves GPUs for the rollout engines (and, for train-only SFT, the encoders) apart from the trainer's.",
-    "--rollout-num-gpus-per-engine": "gives each engine several GPUs (sglang-diffusion's tensor / sequence parallelism inside one server).",
+    "--rollout-num-gpus-per-engine": "gives each engine server the run starts that many devices, all on one node and "
+    "only those visible to it (CUDA_VISIBLE_DEVICES): an sglang-diffusion server gets --num-gpus N and splits them "
+    "itself (sequence parallelism by default; a --sglang-num-gpus, --sglang-tp-size or --sglang-sp-degree you pass "
+    "wins); a serve-engine server (--rollout-engine http or embedded) runs on one device, so above 1 it is refused.",
     "--num-gpus-per-node": "caps the GPUs the job may use per node when engines and trainers are placed.",
     "--colocate": "places the engine servers the run starts on the training devices (trainer 0.7, engine 0.25 of each) "
     "instead of devices of their own, where the two take turns (--offload-train and --offload-rollout, which --colocate "
     "turns on).",
     "--colocate-reward": "places reward actors on the rollout GPUs next to colocated engines and trainer.",
+    "--reward-num-workers": "starts that many reward-worker actors (under --use-ray), each on a bundle of its own, "
+    "and splits every scoring call over them.",
+    "--reward-num-gpus-per-worker": "gives each reward-worker actor (under --use-ray) that many GPUs (fractions share one).",
     "--distributed-backend": "chooses the torch.distributed backend of the training ranks' process group.",
     "--distributed-timeout-minutes": "bounds how long the training ranks' collectives may wait.",
     "--dp-replicate-size": "splits the data-parallel ranks into replicas of FSDP2 shard groups (hybrid sharding).",
@@ -1078,18 +1144,9 @@ HARDWARE_ONLY: dict[str, str] = {
 (several GPUs or ranks). Where that hardware is missing (a single process on a CPU-only
 machine), setting one is logged as a note; ``docs/cli.md`` lists them."""
 
-_LATER_FLEET = (
-    "the miles router (a separate routing process) is not in this version: the http engine routes requests "
-    "itself, least busy server first, at most --sglang-server-concurrency in flight per server"
-)
-
 UNAVAILABLE: dict[str, str] = {
-    "--use-distributed-post": "rollout requests are posted by the run's own HTTP client, also under --use-ray; posting through "
-    "per-node Ray actors is not in this version",
     "--rollout-patch-group": "numeric-parity patch groups patch sglang-diffusion's own code, which miles-core does not "
     "modify; --rollout-engine sglang serves the stock server",
-    "--use-miles-router": _LATER_FLEET,
-    "--miles-router-max-connections": _LATER_FLEET,
     "--sft-frame-stride": "SFT rows are images (one per row) in this version, with no frames to stride over; video SFT rows "
     "are not supported yet",
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "

@@ -15,10 +15,12 @@ from typing import Any
 
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
+from miles_core.config.distributed_post import distributed_post_errors
 from miles_core.config.fsdp_offload import fsdp_offload_errors
 from miles_core.config.model import Component, Config, Source
 from miles_core.config.parser import flag_entries, parse_command_line
 from miles_core.config.sequence_parallel import sequence_parallel_errors
+from miles_core.config.sync_path import run_sync_path
 from miles_core.errors import ComponentLoadError, ConfigError, FamilyMatchError, PathFlagError
 from miles_core.family_match import checkpoint_problem, match_family
 from miles_core.machine import visible_gpu_count
@@ -96,6 +98,7 @@ class _Resolver:
         self.errors.append(message)
 
     def run(self, scope: str = "train") -> None:
+        self.resolve_aliases()
         self.check_declared_ranges()
         self.resolve_machine()
         self.resolve_registry_choices()
@@ -104,6 +107,7 @@ class _Resolver:
             self.resolve_batch()
         self.resolve_components()
         self.check_rewards()
+        self.resolve_reward_workers()
         if scope == "train":
             self.resolve_debug()
             self.check_rules()
@@ -113,11 +117,42 @@ class _Resolver:
             self.errors.extend(conflicting_flags(self.config))
         if self.errors:
             raise ConfigError(self.errors)
+        self.mirror_aliases()
         self.config.freeze()
         self.config.notes.extend(hardware_notes(self.config) + inert_notes(self.config))
         plugin_errors = self.host.validate(self.config)
         if plugin_errors:
             raise ConfigError(plugin_errors)
+
+    # -- aliases ---------------------------------------------------------------------
+
+    def resolve_aliases(self) -> None:
+        """A value given to an alias flag (:attr:`~miles_core.config.flag.Flag.alias_of`)
+        sets the flag it names, which then reports it under the alias's name; both given
+        with different values is an error naming both."""
+        c = self.config
+        for dest in c:
+            alias = c.flag(dest)
+            if alias.alias_of is None or not c.is_user_set(dest) or c.get(dest) is None or alias.range_error(c.get(dest)):
+                continue  # (a value outside the alias's range is reported by check_declared_ranges)
+            target = alias.alias_of[2:].replace("-", "_")
+            if c.is_user_set(target):
+                if c.get(target) != c.get(dest):
+                    self.fail(
+                        f"{alias.name} {c.get(dest)} and {alias.alias_of} {c.get(target)} disagree: {alias.name} is "
+                        f"another name for {alias.alias_of}; give one of them"
+                    )
+                continue
+            c.set(target, c.get(dest), c.source(dest))
+            c.given_as[target] = alias.name
+
+    def mirror_aliases(self) -> None:
+        """An alias not given holds the resolved value of the flag it names."""
+        c = self.config
+        for dest in c:
+            alias = c.flag(dest).alias_of
+            if alias is not None and not c.is_user_set(dest):
+                c.set(dest, c.get(alias[2:].replace("-", "_")), Source.DERIVED)
 
     # -- machine ---------------------------------------------------------------------
 
@@ -417,6 +452,24 @@ class _Resolver:
                 f"{'they have' if len(unused) > 1 else 'it has'} no effect"
             )
 
+    def resolve_reward_workers(self) -> None:
+        """``--reward-num-gpus-per-worker`` unset: 1 when a reward the flags name runs a
+        model (its spec's ``uses_gpu``), else 0. A colocated reward worker takes the
+        reference's share of a rollout device instead, so a value given with
+        ``--colocate-reward`` is refused."""
+        c, v = self.config, self.v
+        gpus = v("reward_num_gpus_per_worker")
+        if gpus is None:
+            registry = self.host.registries.reward
+            named = [v("rm_type"), v("eval_rm_type"), *(v("reward_weights") or {}), *(v("eval_reward_weights") or {})]
+            model = any(isinstance(n, str) and n in registry and getattr(registry.get(n).spec, "uses_gpu", False) for n in named)
+            c.set("reward_num_gpus_per_worker", 1.0 if model else 0.0, Source.DERIVED)
+        elif v("colocate_reward"):
+            self.fail(
+                f"{c.given_name('reward_num_gpus_per_worker')} {gpus:g} and --colocate-reward cannot be combined: a colocated "
+                "reward worker takes a 0.05 share of a rollout device (drop one of them)"
+            )
+
     # -- debug dumps and replays -------------------------------------------------------
 
     def resolve_debug(self) -> None:
@@ -476,6 +529,7 @@ class _Resolver:
                 self.fail(message)
         if v("ray_address") and not v("use_ray"):
             self.config.set("use_ray", True, Source.DERIVED)  # a cluster address means running on it
+        self.errors.extend(distributed_post_errors(self.config))
         if v("eval_interval") is not None and not (v("eval_prompt_data") or v("eval_config")):
             self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH)")
         if v("eval_prompt_data") and len(v("eval_prompt_data")) % 2:
@@ -511,11 +565,28 @@ class _Resolver:
                 "--rollout-engine http requires --rollout-engine-urls (base URLs of running engine servers)"
                 " or --rollout-num-engines N (servers the run starts)"
             )
+        per_engine = v("rollout_num_gpus_per_engine")
+        serve_engines = v("rollout_engine") == "embedded" or (v("rollout_engine") == "http" and not urls)
+        if v("use_ray") and per_engine is not None and per_engine > 1 and serve_engines:
+            # Our server runs one model replica on one device; sglang-diffusion splits one over several.
+            self.fail(
+                f"--rollout-num-gpus-per-engine {per_engine} and --rollout-engine {v('rollout_engine')}: a miles-core "
+                "serve-engine server runs on one device; use more engines (--rollout-num-engines) or --rollout-engine sglang"
+            )
         for url in (urls or "").split(","):
             if urls and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
                 self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")
+        if v("use_miles_router") and (v("rollout_engine") != "http" or urls or engines is None):
+            self.fail(
+                "--use-miles-router routes the engine servers the run starts: it needs --rollout-engine http "
+                f"--rollout-num-engines N, not --rollout-engine {v('rollout_engine')}" + (" --rollout-engine-urls" if urls else "")
+            )
         if v("num_rollout") is not None and v("num_epoch") is not None:
             self.config.notes.append("--num-epoch is ignored because --num-rollout is set (as in the reference)")
+        try:  # the path a sync takes is chosen again when it runs (the same pure function)
+            run_sync_path(self.config, cuda=visible_gpu_count() > 0)
+        except ConfigError as exc:
+            self.fail(str(exc))
         self.check_run_hooks()
 
     def resolve_offload(self) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ from miles_core.errors import FleetError
 
 class ServedEngine:
     """A running ``miles-core serve-engine`` subprocess (see :func:`start_engine`)."""
+
+    kind = "engine server"
+    """What its errors call it."""
 
     def __init__(self, process: subprocess.Popen, log_path: Path) -> None:
         self.process = process
@@ -64,7 +67,7 @@ class ServedEngine:
             last = f" (last line: {lines[-1].strip()})" if lines else ""
         except FileNotFoundError:
             pass
-        return FleetError(f"engine server {self.url or f'pid {self.process.pid}'} {what}; see {self.log_path}{last}")
+        return FleetError(f"{self.kind} {self.url or f'pid {self.process.pid}'} {what}; see {self.log_path}{last}")
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM and wait; SIGKILL after ``timeout`` seconds. Returns the exit status."""
@@ -77,14 +80,18 @@ class ServedEngine:
         return self.process.wait(timeout=10)
 
 
-def launch_engine(checkpoint: str | Path, *args: str, log_path: str | Path, threads: int | None = 1) -> ServedEngine:
+def launch_engine(
+    checkpoint: str | Path, *args: str, log_path: str | Path, threads: int | None = 1, env: Mapping[str, str] | None = None
+) -> ServedEngine:
     """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` (stderr to
-    ``log_path``; ``threads``: its torch threads, None to leave them alone); does not wait."""
+    ``log_path``; ``threads``: its torch threads, None to leave them alone; ``env``: set
+    over this process's environment, e.g. the devices of a Ray engine's bundles); does not wait."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    extra_env, env = env, dict(os.environ)
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(extra_env or {})
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint), "--port", "0", *args],
@@ -115,12 +122,18 @@ def wait_for(engines: Sequence[ServedEngine], timeout: float, *, healthy: bool, 
 
 
 def start_engine(
-    checkpoint: str | Path, *args: str, log_path: str | Path, timeout: float = 90.0, healthy: bool = False, threads: int | None = 1
+    checkpoint: str | Path,
+    *args: str,
+    log_path: str | Path,
+    timeout: float = 90.0,
+    healthy: bool = False,
+    threads: int | None = 1,
+    env: Mapping[str, str] | None = None,
 ) -> ServedEngine:
     """:func:`launch_engine`, then wait (at most ``timeout`` s) until it listens (and with
     ``healthy``, until its model is loaded); on failure it is killed and
     :class:`FleetError` names its log."""
-    engine = launch_engine(checkpoint, *args, log_path=log_path, threads=threads)
+    engine = launch_engine(checkpoint, *args, log_path=log_path, threads=threads, env=env)
     try:
         wait_for([engine], timeout, healthy=healthy)
     except BaseException:
@@ -131,13 +144,31 @@ def start_engine(
 
 def serve_arguments(config: Any) -> list[str]:
     """The ``serve-engine`` arguments of a run's engines, but the device (each host's
-    own): the run's family, dtype and weight-update bucket size."""
+    own): the run's family, dtype, weight-update bucket size and ``--deterministic-mode``."""
     args = ["--update-weight-buffer-size", str(config.update_weight_buffer_size)]
     if config.diffusion_model_family:
         args += ["--diffusion-model-family", config.diffusion_model_family]
     if config.diffusion_forward_dtype in ("fp32", "bf16", "fp16"):
         args += ["--dtype", config.diffusion_forward_dtype]
+    if config.deterministic_mode:
+        args.append("--deterministic-mode")
+    if accepts_ipc_weights(config):
+        args.append("--accept-ipc-weights")
     return args
+
+
+def accepts_ipc_weights(config: Any, *, cuda: bool | None = None) -> bool:
+    """Whether the run's serve-engines take pickled CUDA-IPC weight updates: only when its
+    syncs take the ``cuda-ipc`` path, which needs the engine on the trainer's GPU
+    (``--colocate`` with CUDA; ``cuda``: whether there is one, default torch's answer);
+    every other engine refuses that format."""
+    from miles_core.config.sync_path import run_sync_path
+
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return run_sync_path(config, cuda=cuda) == "cuda-ipc"
 
 
 class EngineFleet:
@@ -236,4 +267,13 @@ class EngineFleet:
                 engine.process.wait(timeout=10)
 
 
-__all__ = ["EngineFleet", "FleetError", "ServedEngine", "launch_engine", "serve_arguments", "start_engine", "wait_for"]
+__all__ = [
+    "EngineFleet",
+    "FleetError",
+    "ServedEngine",
+    "accepts_ipc_weights",
+    "launch_engine",
+    "serve_arguments",
+    "start_engine",
+    "wait_for",
+]

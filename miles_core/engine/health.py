@@ -1,10 +1,12 @@
-"""Fault tolerance for the ``http`` and ``sglang`` engines (``--use-fault-tolerance``).
+"""Fault tolerance for the ``http`` and ``sglang`` engines (``--use-fault-tolerance``) and
+the miles router's health checks (:mod:`miles_core.engine.router`).
 
 :class:`Supervisor` keeps one state per URL slot of an
-:class:`~miles_core.engine.http.HttpEngine`: ``healthy`` (requests and weight syncs go
-there), ``down`` (dead, hung or failing its health checks: nothing goes there),
-``restarting`` (being restarted, or re-admitted, and re-synced) and ``failed`` (its
-restart failed: out for the rest of the run). A background task polls every URL's
+:class:`~miles_core.engine.http.HttpEngine` (or of the router): ``healthy`` (requests and
+weight syncs go there), ``down`` (dead, hung or failing its health checks: nothing goes
+there), ``restarting`` (being restarted, or re-admitted, and re-synced), ``failed`` (its
+restart failed: out for the rest of the run) and, in the router, ``removed`` (``POST
+/remove_worker``). A background task polls every URL's
 ``GET /health`` (:attr:`FaultTolerance.first_wait`, then every
 :attr:`FaultTolerance.interval` s, each check bounded by :attr:`FaultTolerance.timeout`);
 :attr:`FaultTolerance.failure_threshold` failures in a row mark the engine down, and so
@@ -15,7 +17,10 @@ so the same samples).
 A down engine comes back two ways. With a ``restart`` callback (engines the run started)
 it is restarted at once; the callback returns its new URL. Without one (servers given by
 URL) it stays out of routing until its health check passes again. Either way the
-``prepare`` callback (the run's weight re-sync) runs before it serves again.
+``prepare`` callback (the run's weight re-sync) runs before it serves again, then the
+``admit`` callback (under ``--use-miles-router``: the engine's registration with the
+router). The miles router's own supervisor (``readmit=False``) never brings an engine back
+by itself: :meth:`Supervisor.admit` does, when the run registers the engine again.
 
 Nothing here imports torch.
 """
@@ -37,6 +42,7 @@ HEALTHY = "healthy"
 DOWN = "down"
 RESTARTING = "restarting"
 FAILED = "failed"
+REMOVED = "removed"
 
 Restart = Callable[[int], Awaitable[str]]
 """``restart(slot)``: stop the engine behind URL slot ``slot`` if it still runs, start a
@@ -45,6 +51,10 @@ new one, wait until it is healthy; return its URL."""
 Prepare = Callable[[str], Awaitable[None]]
 """``prepare(url)``: make a restarted or re-admitted engine ready to serve (the run syncs
 its current weights and checks their checksum); an exception keeps it out."""
+
+Admit = Callable[[str, str], Awaitable[None]]
+"""``admit(old_url, new_url)``: after ``prepare``, put a restarted or re-admitted engine
+back where requests are routed (the registration with the miles router)."""
 
 HealthCheck = Callable[[str, float], Awaitable["int | None"]]
 """``check(url, timeout)``: the status of ``GET url/health`` (None: no answer in time)."""
@@ -107,12 +117,18 @@ class Supervisor:
         *,
         restart: Restart | None = None,
         prepare: Prepare | None = None,
+        admit: Admit | None = None,
+        readmit: bool = True,
     ) -> None:
         self.urls = urls
         self.settings = settings
         self.check = check
         self.restart = restart
         self.prepare = prepare
+        self.admit_callback = admit
+        self.readmit = readmit
+        """Whether a down engine without ``restart`` comes back once its health check passes
+        (False: only through :meth:`admit`)."""
         self.state = [HEALTHY] * len(urls)
         self.reason = [""] * len(urls)
         """Why a slot is not healthy (the last reason it went down, or its failed restart)."""
@@ -173,6 +189,34 @@ class Supervisor:
                 self._spawn(self._restart(index))
         self._notify()
 
+    def add_slot(self, url: str) -> int:
+        """Append a healthy slot for ``url`` (a newly registered engine); its index."""
+        self.urls.append(url)
+        self.state.append(HEALTHY)
+        self.reason.append("")
+        self._down.append(None)
+        self._notify()
+        return len(self.urls) - 1
+
+    def admit(self, url: str) -> list[int]:
+        """Put every slot of ``url`` that is not healthy back in service (the engine was
+        registered again, its weights re-synced); the slots."""
+        slots = [i for i, slot_url in enumerate(self.urls) if slot_url == url]
+        for index in slots:
+            if self.state[index] != HEALTHY:
+                self._back(index)
+        return slots
+
+    def remove(self, url: str) -> list[int]:
+        """Take every slot of ``url`` out of routing for good (requests in flight there
+        finish); the slots."""
+        slots = [i for i, slot_url in enumerate(self.urls) if slot_url == url]
+        for index in slots:
+            self.state[index], self.reason[index] = REMOVED, "removed"
+        self.failures.pop(url, None)
+        self._notify()
+        return slots
+
     def _back(self, index: int) -> None:
         self.state[index], self.reason[index] = HEALTHY, ""
         self.failures.pop(self.urls[index], None)
@@ -203,7 +247,8 @@ class Supervisor:
     async def check_once(self) -> None:
         """One round: ``GET /health`` on every healthy URL, and on down ones that come
         back by themselves (no ``restart`` callback)."""
-        watched = [i for i, state in enumerate(self.state) if state == HEALTHY or (state == DOWN and self.restart is None)]
+        comes_back = self.restart is None and self.readmit
+        watched = [i for i, state in enumerate(self.state) if state == HEALTHY or (state == DOWN and comes_back)]
         urls = list(dict.fromkeys(self.urls[i] for i in watched))
         statuses = await asyncio.gather(*(self.check(url, self.settings.timeout) for url in urls))
         self.checks += 1
@@ -212,7 +257,7 @@ class Supervisor:
             if status == 200:
                 self.failures.pop(url, None)
                 for index in slots:
-                    if self.state[index] == DOWN and self.restart is None:
+                    if self.state[index] == DOWN and comes_back:
                         self.state[index] = RESTARTING
                         self._spawn(self._readmit(index))
                 continue
@@ -239,6 +284,8 @@ class Supervisor:
             self.urls[index] = url
             if self.prepare is not None:
                 await self.prepare(url)
+            if self.admit_callback is not None:
+                await self.admit_callback(old, url)
         except Exception as exc:  # the slot stays out; a request waiting for it gets the reason
             self.state[index], self.reason[index] = FAILED, f"restart failed: {' '.join(str(exc).split())}"
             log.error("rollout engine %s: %s", old, self.reason[index])
@@ -252,6 +299,8 @@ class Supervisor:
         try:
             if self.prepare is not None:
                 await self.prepare(url)
+            if self.admit_callback is not None:
+                await self.admit_callback(url, url)
         except Exception as exc:  # down again; the next passing health check tries again
             self.state[index], self.reason[index] = DOWN, f"re-admission failed: {' '.join(str(exc).split())}"
             log.warning("rollout engine %s: %s", url, self.reason[index])
@@ -295,4 +344,4 @@ class Supervisor:
         self.reset()
 
 
-__all__ = ["DOWN", "FAILED", "HEALTHY", "RESTARTING", "FaultTolerance", "NoHealthyEngineError", "Supervisor"]
+__all__ = ["DOWN", "FAILED", "HEALTHY", "REMOVED", "RESTARTING", "FaultTolerance", "NoHealthyEngineError", "Supervisor"]

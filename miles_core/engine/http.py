@@ -17,6 +17,17 @@ With ``fault_tolerance`` (``--use-fault-tolerance``) a
 server dies or hangs is retried, unchanged, on a healthy one; weight updates skip servers
 that are down (they are re-synced by ``prepare`` before they serve again).
 
+With ``router`` (``--use-miles-router``) ``/rollout/generate`` requests go to the miles
+router (:mod:`miles_core.engine.router`), which routes them as above in its own process;
+weight updates, checksums and memory requests still go to every engine directly. Under
+fault tolerance the router's view of the engines is the health check here: an engine it
+took out of routing is restarted (or, given by URL, waited for) and re-synced here, then
+registered with the router again (``POST /add_worker``).
+
+With a :class:`Poster` (``--use-distributed-post``) the routing, retries and health checks
+stay here, but each ``/rollout/generate`` POST and the decoding of its answer happen where
+the poster does them (a Ray actor on the engine's node): only the decoded records come back.
+
 ``--offload-rollout``: :meth:`HttpEngine.release_memory` and
 :meth:`HttpEngine.resume_memory` post ``/release_memory_occupation`` and
 ``/resume_memory_occupation`` to every server (``serve-engine``, or sglang-diffusion, which
@@ -26,46 +37,37 @@ has them since 0.5.23); a server without them answers 404, reported with that hi
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar, Protocol
 
 import aiohttp
 import msgpack
 import torch
 
 from miles_core.engine.base import RolloutEngine
-from miles_core.engine.health import FaultTolerance, Prepare, Restart, Supervisor
+from miles_core.engine.health import HEALTHY, FaultTolerance, Prepare, Restart, Supervisor
+from miles_core.engine.routing import ENGINE_HEADER, GENERATE, RETRIES_HEADER, Balancer, Slot, health_status, post
 from miles_core.engine.wire import unpack_outputs
-from miles_core.errors import EngineRequestError, NoHealthyEngineError, WeightsMismatchError, WireError
+from miles_core.errors import EngineRequestError, WeightsMismatchError, WireError
 from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.weights import bucket_to_bytes, iter_buckets
 
 DEFAULT_CONCURRENCY = 512
 """``--sglang-server-concurrency``'s default."""
 
-GENERATE = "/rollout/generate"
 _LOST = object()  # the answer of a server that went down during a weight request
 
 
-class _Slot:
-    """One request's place on server slot ``index``: released once, by whichever of the
-    request's own code or its caller's clean-up gets there first (a task cancelled before
-    it ran never reaches its own ``finally``)."""
+class Poster(Protocol):
+    """Posts one ``/rollout/generate`` request to ``url`` and decodes the answer elsewhere
+    (``--use-distributed-post``: an actor on the engine's node); raises
+    :class:`EngineRequestError` as :meth:`HttpEngine.generate` would."""
 
-    def __init__(self, engine: HttpEngine, index: int) -> None:
-        self.engine = engine
-        self.index = index
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.engine._release(self.index)
+    async def generate(self, url: str, request: RolloutRequest, timeout: float | None) -> list[RolloutOutput]: ...
 
 
 class HttpEngine(RolloutEngine):
@@ -83,6 +85,8 @@ class HttpEngine(RolloutEngine):
         fault_tolerance: FaultTolerance | None = None,
         restart: Restart | None = None,
         prepare: Prepare | None = None,
+        router: str | None = None,
+        router_log: str | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -92,9 +96,15 @@ class HttpEngine(RolloutEngine):
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http:// or https:// base URL")
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
+        self.router = None if router is None else router.rstrip("/")
+        """The miles router's base URL (``--use-miles-router``), where requests go."""
+        self.router_log = router_log
+        """Its log file, named when it stops answering."""
+        self._registered = False
+        self._registering: asyncio.Future | None = None
+        self.poster: Poster | None = None
+        """Where each request's POST and decoding happen instead of here (``--use-distributed-post``)."""
         if decode_workers < 1:
             raise ValueError(f"decode_workers must be at least 1, got {decode_workers}")
         self.decode_workers = decode_workers
@@ -105,24 +115,24 @@ class HttpEngine(RolloutEngine):
         self.connect_timeout = connect_timeout
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
-        # Per URL slot (a URL may be listed twice: two routes to one server).
-        self.in_flight = [0] * len(self.urls)
-        """Requests sent to each slot and not answered yet (at most ``max_concurrency``)."""
-        self.sent = [0] * len(self.urls)
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
-        self._tick = itertools.count()
-        self._last_pick = [-1] * len(self.urls)
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.supervisor: Supervisor | None = None
         """The slot states and health checks under fault tolerance (None without)."""
         if fault_tolerance is not None:
             # It shares self.urls: a restart puts the new URL in the slot.
-            self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart, prepare=prepare)
-            # A server back in service has free places: the waiting requests look again.
-            self.supervisor.on_change = self._wake_all
+            if self.router is None:
+                self.supervisor = Supervisor(self.urls, fault_tolerance, self._health_status, restart=restart, prepare=prepare)
+            else:
+                # The router already counted the failed checks that took an engine out.
+                settings = replace(fault_tolerance, failure_threshold=1)
+                self.supervisor = Supervisor(
+                    self.urls, settings, self._routed_health, restart=restart, prepare=prepare, admit=self._register
+                )
         elif restart is not None or prepare is not None:
             raise ValueError("restart and prepare go with fault_tolerance")
+        # Per URL slot (a URL may be listed twice: two routes to one server).
+        self.balancer = Balancer(self.urls, max_concurrency, self.supervisor)
 
     @classmethod
     def from_config(cls, config: Any) -> HttpEngine:
@@ -133,6 +143,16 @@ class HttpEngine(RolloutEngine):
             request_timeout=getattr(config, "miles_router_timeout", None),
             fault_tolerance=FaultTolerance.from_config(config),
         )
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Requests sent to each slot and not answered yet (at most ``max_concurrency``)."""
+        return self.balancer.in_flight
+
+    @property
+    def sent(self) -> list[int]:
+        """Requests sent to each slot (routed here, not through the router)."""
+        return self.balancer.sent
 
     def view(self, url: str) -> HttpEngine:
         """A plain engine over ``url`` alone, with this one's limits and no fault
@@ -149,59 +169,12 @@ class HttpEngine(RolloutEngine):
             # A session and waiting futures belong to one event loop; start afresh on another.
             self._loop = loop
             self._session = None
-            self._waiting = collections.deque()
-            if self.supervisor is not None:
-                self.supervisor.reset()
+            self.balancer.reset()
         if self._session is None or self._session.closed:
             # The slots bound concurrency; the connector must not add a lower cap.
             connector = aiohttp.TCPConnector(limit=0)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
-
-    def _pick(self, candidates: Sequence[int]) -> int:
-        index = min(candidates, key=lambda i: (self.in_flight[i], self._last_pick[i]))
-        self._last_pick[index] = next(self._tick)
-        return index
-
-    async def _acquire(self) -> _Slot:
-        """A place for one request on the least busy server (under fault tolerance: healthy
-        one) with fewer than ``max_concurrency`` in flight; waits while all are full."""
-        while True:
-            choices = range(len(self.urls)) if self.supervisor is None else await self.supervisor.wait_for_healthy()
-            free = [i for i in choices if self.in_flight[i] < self.max_concurrency]
-            if free:
-                index = self._pick(free)
-                self.in_flight[index] += 1
-                self.sent[index] += 1
-                if any(self.in_flight[i] < self.max_concurrency for i in free):
-                    self._wake_one()  # room left (a server came back, or several freed): pass it on
-                return _Slot(self, index)
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # woken, then cancelled: the place goes to the next one
-                raise
-
-    def _release(self, index: int) -> None:
-        self.in_flight[index] -= 1
-        self._wake_one()
-
-    def _wake_one(self) -> None:
-        """Wake the longest waiting request (first in, first served)."""
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def _wake_all(self) -> None:
-        waiting, self._waiting = self._waiting, collections.deque()
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_result(None)
 
     async def _post(
         self,
@@ -213,18 +186,9 @@ class HttpEngine(RolloutEngine):
         content_type: str | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> tuple[int, bytes, str]:
-        headers = {"Content-Type": content_type} if content_type else None
-        try:
-            async with self._client().post(
-                url + path, json=json_body, data=data, headers=headers, timeout=timeout or self.timeout
-            ) as response:
-                return response.status, await response.read(), response.content_type
-        except asyncio.TimeoutError as exc:
-            limit = (timeout or self.timeout).total
-            detail = str(exc) or (f"no complete answer within {limit:g} s" if limit else "timed out")
-            raise EngineRequestError(url + path, None, f"TimeoutError: {detail}") from exc
-        except aiohttp.ClientError as exc:
-            raise EngineRequestError(url + path, None, f"{type(exc).__name__}: {exc}") from exc
+        return await post(
+            self._client(), url, path, json_body=json_body, data=data, content_type=content_type, timeout=timeout or self.timeout
+        )
 
     @staticmethod
     def _message(body: bytes) -> str:
@@ -282,56 +246,20 @@ class HttpEngine(RolloutEngine):
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         self._client()
-        supervisor = self.supervisor
-        if supervisor is None:
-            slot = await self._acquire()
-            try:
-                return await self._generate_at(slot, request)
-            finally:
-                slot.release()
-        supervisor.start()
-        attempt = 0
-        while True:
-            try:
-                slot = await self._acquire()
-            except NoHealthyEngineError as exc:
-                raise EngineRequestError(", ".join(self._distinct_urls()), None, str(exc)) from None
-            url = self.urls[slot.index]
-            if attempt:
-                supervisor.retries += 1
-            attempt += 1
-            try:
-                return await self._attempt(slot, request, supervisor.down_signal(slot.index))
-            except EngineRequestError as exc:
-                # An HTTP answer is the server's verdict on the request (a bad request, a
-                # model error): another server would give the same. Only silence is retried.
-                if exc.status is not None:
-                    raise
-                supervisor.mark_down(url, f"a request got no answer: {exc.message}")
-                if attempt >= supervisor.settings.max_attempts:
-                    raise
-            finally:
-                slot.release()
+        if self.router is not None:
+            return await self._generate_routed(request)
+        return await self.balancer.dispatch(lambda slot: self._generate_at(slot, request), GENERATE)
 
-    async def _attempt(self, slot: _Slot, request: RolloutRequest, down: asyncio.Future) -> list[RolloutOutput]:
-        """:meth:`_generate_at` on ``slot``, given up when the slot goes down (a hung
-        server never answers: the health checks are what notice it)."""
-        url = self.urls[slot.index]
-        attempt = asyncio.ensure_future(self._generate_at(slot, request))
-        try:
-            await asyncio.wait({attempt, down}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not attempt.done():
-                attempt.cancel()
-                await asyncio.gather(attempt, return_exceptions=True)
-        if attempt.cancelled():
-            raise EngineRequestError(url + GENERATE, None, f"the engine went down during the request ({down.result()})")
-        return attempt.result()
-
-    async def _generate_at(self, slot: _Slot, request: RolloutRequest) -> list[RolloutOutput]:
+    async def _generate_at(self, slot: Slot, request: RolloutRequest) -> list[RolloutOutput]:
         """Send ``request`` through ``slot``; its place is given back once the server has
         answered (the decoding, in this process, does not hold it)."""
         url = self.urls[slot.index]
+        if self.poster is not None:
+            # The actor answers with the decoded records: the place is held until then.
+            try:
+                return await self.poster.generate(url, request, self.request_timeout)
+            finally:
+                slot.release()
         try:
             status, raw, _ = await self._post(url, GENERATE, json_body=request.to_json(), timeout=self._generate_timeout)
         finally:
@@ -342,6 +270,90 @@ class HttpEngine(RolloutEngine):
         except WireError as exc:
             raise EngineRequestError(url + GENERATE, status, f"undecodable response: {exc}") from exc
 
+    # -- through the miles router (--use-miles-router) -------------------------------------
+
+    async def _generate_routed(self, request: RolloutRequest) -> list[RolloutOutput]:
+        """Send ``request`` to the router, which picks the engine; an error names the
+        engine that answered (the router's ``X-Miles-Engine`` header) or the router."""
+        assert self.router is not None
+        if self.supervisor is not None:
+            self.supervisor.start()
+        if not self._registered:
+            # The engines join the router once the run's first weight sync reached them;
+            # the requests of the first rollout share one registration.
+            task = self._registering
+            if (
+                task is None
+                or task.get_loop() is not asyncio.get_running_loop()
+                or (task.done() and (task.cancelled() or task.exception() is not None))
+            ):
+                task = self._registering = asyncio.ensure_future(self.register())
+            await asyncio.shield(task)
+        url = self.router + GENERATE
+        try:
+            # No bound here: the router bounds each try (--miles-router-timeout) and retries.
+            async with self._client().post(url, json=request.to_json(), timeout=self.timeout) as response:
+                status, raw = response.status, await response.read()
+                engine, retries = response.headers.get(ENGINE_HEADER), response.headers.get(RETRIES_HEADER)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            log = f"; see its log {self.router_log}" if self.router_log else ""
+            raise EngineRequestError(url, None, f"the miles router gave no answer ({detail}){log}") from exc
+        if self.supervisor is not None and retries:
+            self.supervisor.retries += int(retries)
+        where = engine + GENERATE if engine else url
+        self._check(where, status, raw)
+        try:
+            return await self._decode(raw)
+        except WireError as exc:
+            raise EngineRequestError(where, status, f"undecodable response: {exc}") from exc
+
+    async def _router_call(self, method: str, path: str, url: str | None = None) -> Any:
+        """``method`` ``router/path`` (with ``?url=``); its JSON answer."""
+        assert self.router is not None
+        params = None if url is None else {"url": url}
+        try:
+            async with self._client().request(method, self.router + path, params=params, timeout=self.timeout) as response:
+                status, raw = response.status, await response.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineRequestError(self.router + path, None, f"the miles router gave no answer ({type(exc).__name__}: {exc})") from exc
+        self._check(self.router + path, status, raw)
+        return json.loads(raw) if raw else None
+
+    async def register(self) -> None:
+        """Register every engine with the router (``POST /add_worker``); the first
+        request does it, after the run's first weight sync."""
+        await asyncio.gather(*(self._register(url, url) for url in self._distinct_urls()))
+        self._registered = True
+
+    async def _register(self, old: str, new: str) -> None:
+        """Register ``new`` with the router (``POST /add_worker``), after its re-sync; a
+        restarted engine's old URL is removed first."""
+        if old != new:
+            await self._router_call("POST", "/remove_worker", old)
+        await self._router_call("POST", "/add_worker", new)
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """The router's engines (``GET /list_workers``): URL, state, reason, requests."""
+        return (await self._router_call("GET", "/list_workers"))["workers"]
+
+    async def _routed_health(self, url: str, timeout: float) -> int | None:
+        """The health check under the router: an engine the router routes to is healthy
+        (200); one it took out is down here too (503); a server given by URL that is down
+        here comes back when its own ``GET /health`` passes. A router that does not answer
+        blames no engine (the requests report it)."""
+        assert self.supervisor is not None
+        try:
+            workers = {w["url"]: w for w in await self.workers()}
+        except EngineRequestError:
+            return 200
+        worker = workers.get(url)
+        if not self._registered or (worker is not None and worker["state"] == HEALTHY):
+            return 200  # not registered yet: nothing to judge
+        if any(self.supervisor.state[i] == HEALTHY for i, slot_url in enumerate(self.urls) if slot_url == url):
+            return 503  # the router took it out: down here too
+        return await self._health_status(url, timeout)
+
     async def _decode(self, raw: bytes) -> list[RolloutOutput]:
         """``unpack_outputs(raw)`` in the decoder thread pool."""
         if self._decoder is None:
@@ -350,12 +362,7 @@ class HttpEngine(RolloutEngine):
 
     async def _health_status(self, url: str, timeout: float) -> int | None:
         """The status of ``GET url/health`` (None: no answer within ``timeout`` s)."""
-        try:
-            async with self._client().get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-                await response.read()
-                return response.status
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
+        return await health_status(self._client(), url, timeout)
 
     async def health(self) -> dict[str, int | None]:
         """The status of ``GET /health`` per URL (None: no answer)."""
@@ -448,6 +455,26 @@ class HttpEngine(RolloutEngine):
                 return
             raise
         self._check(url + path, status, raw)
+
+    async def update_weights_from_ipc(self, body: Mapping[str, Any]) -> None:
+        """Post one sglang-diffusion ``/update_weights_from_tensor`` JSON body (pickled
+        CUDA-IPC handles, see :mod:`miles_core.engine.ipc_wire`) to every server; a server's
+        refusal or ``success: false`` raises :class:`EngineRequestError`."""
+        path = "/update_weights_from_tensor"
+
+        async def one(url: str) -> None:
+            try:
+                status, raw, _ = await self._post(url, path, json_body=dict(body))
+            except EngineRequestError as exc:
+                if self._lost(url, exc):
+                    return
+                raise
+            self._check(url + path, status, raw)
+            answer = json.loads(raw) if raw else None
+            if not (isinstance(answer, dict) and answer.get("success")):
+                raise EngineRequestError(url + path, status, f"the server did not succeed: {answer!r}")
+
+        await asyncio.gather(*(one(url) for url in self.weight_urls()))
 
     async def weights_checksums(self, module_names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
         """Each server's ``{module: sha256}``, by URL (``None``: every module)."""

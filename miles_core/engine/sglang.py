@@ -13,7 +13,9 @@ waits for ``GET /health`` and talks to them through :class:`HttpEngine` (the sam
 ``/rollout/generate`` wire). Weight sync writes the trainer's weights as safetensors, one
 directory per sync (``<module>/diffusion_pytorch_model.safetensors``), and asks every server
 to load it with ``/update_weights_from_disk``. sglang's own ``/update_weights_from_tensor``
-passes CUDA-IPC handles in pickles, so it serves only colocated GPU runs and is not used.
+passes CUDA-IPC handles in pickles, so it serves only colocated GPU runs: there
+:mod:`miles_core.training.ipc_sync` sends it and tells :meth:`SglangEngine.expect_ipc_module`
+what it sent, so that the checksum check works as after a disk sync.
 
 ``--miles-router-timeout`` bounds each request as for the ``http`` engine. With
 ``--use-fault-tolerance`` the servers are health-checked like an ``http`` fleet's; a dead or
@@ -163,13 +165,7 @@ class SglangEngine(HttpEngine):
         count = int(config.get("rollout_num_engines") or 1)
         if count < 1:
             raise SglangEngineError(f"--rollout-num-engines must be at least 1, got {count}")
-        request_timeout = config.get("miles_router_timeout")
-        if request_timeout is not None and not request_timeout > 0:
-            raise SglangEngineError(f"--miles-router-timeout must be positive, got {request_timeout}")
-        try:
-            fault_tolerance = FaultTolerance.from_config(config)
-        except ValueError as exc:
-            raise SglangEngineError(str(exc)) from None
+        options = cls.client_options(config)
         if config.get("output_dir"):
             work_dir, owned = Path(config.output_dir) / "sglang", False
             work_dir.mkdir(parents=True, exist_ok=True)
@@ -182,13 +178,27 @@ class SglangEngine(HttpEngine):
             count,
             work_dir,
             timeout=600.0,
-            max_concurrency=config.sglang_server_concurrency,
-            decode_workers=config.get("rollout_parser_num_workers") or 1,
-            request_timeout=request_timeout,
-            fault_tolerance=fault_tolerance,
+            **options,
         )
         engine._owns_work_dir = owned
         return engine
+
+    @staticmethod
+    def client_options(config: Any) -> dict[str, Any]:
+        """The run's client settings of its servers (concurrency, timeouts, fault tolerance)."""
+        request_timeout = config.get("miles_router_timeout")
+        if request_timeout is not None and not request_timeout > 0:
+            raise SglangEngineError(f"--miles-router-timeout must be positive, got {request_timeout}")
+        try:
+            fault_tolerance = FaultTolerance.from_config(config)
+        except ValueError as exc:
+            raise SglangEngineError(str(exc)) from None
+        return {
+            "max_concurrency": config.sglang_server_concurrency,
+            "decode_workers": config.get("rollout_parser_num_workers") or 1,
+            "request_timeout": request_timeout,
+            "fault_tolerance": fault_tolerance,
+        }
 
     @classmethod
     def launch(
@@ -212,12 +222,12 @@ class SglangEngine(HttpEngine):
             for index in range(count):
                 port = free_port()
                 log_path = work_dir / "logs" / f"engine-{index}.log"
-                processes.append(_spawn(python, model_path, port, sglang_args, environment, log_path))
+                processes.append(spawn_server(python, model_path, port, sglang_args, environment, log_path))
                 logs.append(log_path)
                 urls.append(f"http://127.0.0.1:{port}")
             engine = cls(urls, processes, logs, work_dir, **kwargs)
         except BaseException:
-            _kill_groups(processes)
+            kill_servers(processes)
             raise
         engine.model_path = str(model_path)
         engine.python, engine.sglang_args, engine.environment = str(python), list(sglang_args), environment
@@ -275,20 +285,20 @@ class SglangEngine(HttpEngine):
         if self.python is None or self.model_path is None or self.environment is None:
             raise SglangEngineError("these sglang-diffusion servers were not started by SglangEngine.launch: cannot restart one")
         old = self.processes[index]
-        _kill_groups([old])
+        kill_servers([old])
         with self._lock:  # stop_servers() must not miss a server started while it runs
             if self._stopping:
                 raise SglangEngineError(f"sglang-diffusion server {index} ({self.urls[index]}): not restarted, the servers are stopping")
             self.restarts[index] += 1
             port = free_port()
             log_path = self.work_dir / "logs" / f"engine-{index}.restart{self.restarts[index]}.log"
-            self.processes[index] = _spawn(self.python, self.model_path, port, self.sglang_args, self.environment, log_path)
+            self.processes[index] = spawn_server(self.python, self.model_path, port, self.sglang_args, self.environment, log_path)
             self.log_paths[index] = log_path
         url = f"http://127.0.0.1:{port}"  # the supervisor puts it in the slot
         try:
             self._wait_healthy(self.launch_timeout if timeout is None else timeout, {index: url})
         except BaseException:
-            _kill_groups([self.processes[index]])
+            kill_servers([self.processes[index]])
             raise
         return url
 
@@ -394,22 +404,36 @@ class SglangEngine(HttpEngine):
     def _write_module(self, folder: Path, module_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Write the module's file; tensors of the checkpoint's files the trainer does not
         send (buffers) are copied from the checkpoint. Returns what was written."""
-        from safetensors import safe_open
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
-        written = dict(tensors)
-        if self.model_path:
-            source = Path(self.model_path) / module_name
-            if (source / "config.json").is_file():
-                shutil.copyfile(source / "config.json", folder / "config.json")
-            for path in sorted(source.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as handle:
-                    for name in handle.keys():
-                        if name not in written:
-                            written[name] = handle.get_tensor(name)
+        if self.model_path and (Path(self.model_path) / module_name / "config.json").is_file():
+            shutil.copyfile(Path(self.model_path) / module_name / "config.json", folder / "config.json")
+        written = self._with_checkpoint_tensors(module_name, tensors)
         save_file(written, str(folder / "diffusion_pytorch_model.safetensors"))
         return written
+
+    def _with_checkpoint_tensors(self, module_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` and the checkpoint's tensors of the module that the trainer does not
+        send (buffers in diffusers, parameters in sglang: SD3's ``pos_embed`` table)."""
+        from safetensors import safe_open
+
+        held = dict(tensors)
+        if self.model_path:
+            for path in sorted((Path(self.model_path) / module_name).glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():
+                        if name not in held:
+                            held[name] = handle.get_tensor(name)
+        return held
+
+    def expect_ipc_module(self, module_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """After a full CUDA-IPC sync of ``module_name`` (``tensors``: what was sent, on the
+        host): the servers hold those tensors and, for what the trainer does not send, the
+        checkpoint's, which they loaded at start; a server reporting the checksum of that
+        union is reported as holding the trainer's weights, as after a disk sync."""
+        held = self._with_checkpoint_tensors(module_name, tensors)
+        self._expected[module_name] = (named_tensors_checksum(held.items()), named_tensors_checksum(tensors.items()))
 
     # -- shutdown ---------------------------------------------------------------------------
 
@@ -440,13 +464,19 @@ class SglangEngine(HttpEngine):
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def _spawn(
-    python: str, model_path: str, port: int, sglang_args: Sequence[str], environment: Mapping[str, str], log_path: Path
+def spawn_server(
+    python: str,
+    model_path: str,
+    port: int,
+    sglang_args: Sequence[str],
+    environment: Mapping[str, str],
+    log_path: Path,
+    host: str = "127.0.0.1",
 ) -> subprocess.Popen:
     """Start one server (its own process group, output to ``log_path``); does not wait."""
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            serve_command(python, model_path, port, sglang_args),
+            serve_command(python, model_path, port, sglang_args, host),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=dict(environment),
@@ -454,7 +484,7 @@ def _spawn(
         )
 
 
-def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
+def kill_servers(processes: Sequence[subprocess.Popen]) -> None:
     """SIGKILL each server's process group (its workers too) and reap it. A process
     already reaped is left alone: its group id may have been reused."""
     for process in processes:
@@ -468,6 +498,45 @@ def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
+
+
+def wait_server(index: int, process: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    """Wait until one server answers ``/health`` with 200; :class:`SglangEngineError` naming
+    its log when it exits or times out (it is then killed)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            code = process.poll()
+            if code is not None:
+                raise SglangEngineError(f"sglang-diffusion server {index} exited with status {code} before it was healthy; see {log_path}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                raise SglangEngineError(f"sglang-diffusion server {index} ({url}) not healthy after {timeout:g} s; see {log_path}")
+            time.sleep(0.25)
+    except BaseException:
+        kill_servers([process])
+        raise
+
+
+def engine_device_args(sglang_args: Sequence[str], devices: int) -> list[str]:
+    """The pass-through arguments of an engine given ``devices`` devices
+    (``--rollout-num-gpus-per-engine``): ``--sglang-num-gpus N`` is added, and sglang-diffusion
+    splits its N GPUs itself (sequence parallelism over what tensor, data and CFG
+    parallelism leave, Ulysses by default). A ``--sglang-num-gpus`` the user passed wins, and
+    so do ``--sglang-tp-size``, ``--sglang-sp-degree``, ``--sglang-ulysses-degree`` and the
+    like, which sglang-diffusion checks against the number of GPUs."""
+    args = list(sglang_args)
+    if devices > 1 and not any(token.split("=", 1)[0] == PREFIX + "num-gpus" for token in args):
+        args += [PREFIX + "num-gpus", str(devices)]
+    return args
 
 
 FLOW_MATCH_TRAIN_TIMESTEPS = 1000.0
@@ -524,4 +593,15 @@ def _normalize_env(env: dict[str, Any] | None, request: RolloutRequest) -> None:
                     cond[name] = tensor[0]
 
 
-__all__ = ["FRAMEWORK_ARGS", "SglangEngine", "SglangEngineError", "check_python", "serve_command", "server_args"]
+__all__ = [
+    "FRAMEWORK_ARGS",
+    "SglangEngine",
+    "SglangEngineError",
+    "check_python",
+    "engine_device_args",
+    "kill_servers",
+    "serve_command",
+    "server_args",
+    "spawn_server",
+    "wait_server",
+]

@@ -435,7 +435,13 @@ class RewardScorer:
         """The name of reward ``reward`` (a registered name, or :data:`CUSTOM`) in metric keys."""
         return "custom_rm" if reward == CUSTOM else reward
 
-    def _pop_metrics(self, rewards: Sequence[str], prefix: str) -> dict[str, float]:
+    def take_outcome(self, sample: Any) -> dict[str, str | None]:
+        """What :meth:`score` recorded for ``sample`` for :meth:`finish`, and forgets it:
+        each reward that scored it and why it failed (None: it did not). A reward worker
+        hands it to the driver with the sample's reward."""
+        return self._outcomes.pop(id(sample), None) or {}
+
+    def pop_counters(self, rewards: Sequence[str], prefix: str) -> dict[str, float]:
         """``<prefix><reward>/<key>`` for what each reward's ``pop_metrics()`` (if it has
         one) counted since it was last asked."""
         metrics: dict[str, float] = {}
@@ -458,40 +464,64 @@ class RewardScorer:
 
     def finish(self, samples: Sequence[Sample], *, prefix: str = "rollout/reward/") -> dict[str, float]:
         """After all of a rollout's samples are scored: the reward metrics
-        (:func:`reward_metrics`, plus ``<reward>_failed`` for each reward that scored
-        any of ``samples`` and each reward's own ``pop_metrics()`` as
-        ``<reward>/<key>``); :class:`RewardError` naming the reward(s) that failed for
-        every sample they scored (or, failing that, when every sample failed)."""
-        tally: dict[str, list[Any]] = {}  # reward -> [samples scored, failed, last error]
-        for sample in samples:
-            for name, error in (self._outcomes.pop(id(sample), None) or {}).items():
-                counts = tally.setdefault(name, [0, 0, None])
-                counts[0] += 1
-                if error is not None:
-                    counts[1] += 1
-                    counts[2] = error
-        own = self._pop_metrics([n for n in tally if n != CUSTOM], prefix)
-        what = "evaluation" if self.evaluation else "rollout"
-        dead = [(name, scored, error) for name, (scored, failed, error) in tally.items() if scored and failed == scored]
-        if dead:
-            raise RewardsFailedError(
-                "; ".join(
-                    f"reward {self.label(None) if name == CUSTOM else name} failed for every sample it scored in this "
-                    f"{what} ({scored} sample{'s' if scored != 1 else ''}); last error: {_one_line(error)}"
-                    for name, scored, error in dead
-                )
+        (:func:`summarize_rewards`), which may raise :class:`RewardError`."""
+        outcomes = [self.take_outcome(sample) for sample in samples]
+        return summarize_rewards(
+            samples,
+            outcomes,
+            lambda rewards: self.pop_counters(rewards, prefix),
+            name=self.name,
+            evaluation=self.evaluation,
+            prefix=prefix,
+        )
+
+
+def summarize_rewards(
+    samples: Sequence[Any],
+    outcomes: Sequence[Mapping[str, str | None]],
+    counters: Callable[[list[str]], dict[str, float]],
+    *,
+    name: str,
+    evaluation: bool,
+    prefix: str = "rollout/reward/",
+) -> dict[str, float]:
+    """A rollout's reward metrics from its scored ``samples`` and their ``outcomes``
+    (:meth:`RewardScorer.take_outcome`, one per sample): :func:`reward_metrics`, plus
+    ``<reward>_failed`` for each reward that scored any of them and what ``counters``
+    returns for those rewards (their ``pop_metrics()`` as ``<reward>/<key>``; summed over
+    the workers of a Ray run). :class:`RewardError` naming the reward(s) that failed for
+    every sample they scored (or, failing that, when every sample failed); ``name``: the
+    scorer's reward set, for that message."""
+    tally: dict[str, list[Any]] = {}  # reward -> [samples scored, failed, last error]
+    for outcome in outcomes:
+        for reward, error in outcome.items():
+            counts = tally.setdefault(reward, [0, 0, None])
+            counts[0] += 1
+            if error is not None:
+                counts[1] += 1
+                counts[2] = error
+    own = counters([n for n in tally if n != CUSTOM])
+    what = "evaluation" if evaluation else "rollout"
+    dead = [(reward, scored, error) for reward, (scored, failed, error) in tally.items() if scored and failed == scored]
+    if dead:
+        raise RewardsFailedError(
+            "; ".join(
+                f"reward {name if reward == CUSTOM else reward} failed for every sample it scored in this "
+                f"{what} ({scored} sample{'s' if scored != 1 else ''}); last error: {_one_line(error)}"
+                for reward, scored, error in dead
             )
-        failed = [s for s in samples if getattr(s, "reward_failed", False)]
-        if samples and len(failed) == len(samples):
-            counts = ", ".join(f"{self.label(None) if n == CUSTOM else n} {c[1]} of {c[0]}" for n, c in tally.items() if c[1])
-            raise RewardsFailedError(
-                f"reward {self.name} failed for every sample of the {what} ({len(samples)} samples"
-                + (f"; failures per reward: {counts}" if counts else "")
-                + "); see the warnings above for why"
-            )
-        metrics = reward_metrics(samples, prefix=prefix)
-        metrics.update(own)
-        return metrics
+        )
+    failed = [s for s in samples if getattr(s, "reward_failed", False)]
+    if samples and len(failed) == len(samples):
+        counts = ", ".join(f"{name if n == CUSTOM else n} {c[1]} of {c[0]}" for n, c in tally.items() if c[1])
+        raise RewardsFailedError(
+            f"reward {name} failed for every sample of the {what} ({len(samples)} samples"
+            + (f"; failures per reward: {counts}" if counts else "")
+            + "); see the warnings above for why"
+        )
+    metrics = reward_metrics(samples, prefix=prefix)
+    metrics.update(own)
+    return metrics
 
 
 def reward_metrics(samples: Sequence[Any], *, prefix: str = "rollout/reward/") -> dict[str, float]:
@@ -525,4 +555,4 @@ def reward_metrics(samples: Sequence[Any], *, prefix: str = "rollout/reward/") -
     return metrics
 
 
-__all__ = ["CUSTOM", "RewardError", "RewardScorer", "reward_metrics"]
+__all__ = ["CUSTOM", "RewardError", "RewardScorer", "reward_metrics", "summarize_rewards"]

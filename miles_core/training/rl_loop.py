@@ -33,6 +33,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     from miles_core.training.evaluation import Evaluator, save_grid
     from miles_core.training.metrics_logging import Progress, custom_log_function
     from miles_core.training.rewards import reward_metrics as saved_reward_metrics
+    from miles_core.training.sync_dispatch import sync_weights as sync_along_path
     from miles_core.training.weight_sync import snapshot_weights, sync_to_engine
 
     config, engine, trainer, data_source = run.config, run.engine, run.trainer, run.data_source
@@ -65,7 +66,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
                 synced = (await ranks_sync(engine, ema=ema_policy)).metrics()
             else:
                 with policy_weights():  # --ema-rollout-policy ema: the engine gets the EMA weights
-                    synced = (await sync_to_engine(engine, trainer.modules, config)).metrics()
+                    synced = (await sync_along_path(engine, trainer.modules, config)).metrics()
         return {key: pending.get(key, 0) + value for key, value in synced.items()}
 
     supervisor = getattr(engine, "supervisor", None) if remote else None  # --use-fault-tolerance

@@ -62,6 +62,9 @@ class RunContext:
     log: Callable[[str], None] = print
 
     async def close(self) -> None:
+        from miles_core.training.weight_sync import close_weight_groups
+
+        await close_weight_groups()  # --weight-sync-path distributed: the servers leave the run's groups
         if self.engine is not None:
             await self.engine.close()
         if self.fleet is not None:

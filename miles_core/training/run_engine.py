@@ -24,11 +24,20 @@ def hosts_embedded(config: Config) -> bool:
     return bool(config.get("use_ray")) and config.rollout_engine == "embedded"
 
 
+def hosts_sglang(config: Config) -> bool:
+    """Under ``--use-ray`` the sglang-diffusion servers are Ray actors on bundles of their
+    own (without it :class:`~miles_core.engine.sglang.SglangEngine` starts them here)."""
+    return bool(config.get("use_ray")) and config.rollout_engine == "sglang"
+
+
 def started_servers(config: Config) -> int:
-    """How many engine servers the run starts: ``--rollout-num-engines`` for a fleet,
-    one for the embedded engine under ``--use-ray``, else none."""
+    """How many engine servers the run starts as a fleet: ``--rollout-num-engines`` for
+    an http fleet or sglang-diffusion servers under ``--use-ray``, one for the embedded
+    engine under ``--use-ray``, else none."""
     if starts_fleet(config):
         return int(config.rollout_num_engines)
+    if hosts_sglang(config):
+        return int(config.get("rollout_num_engines") or 1)
     return 1 if hosts_embedded(config) else 0
 
 
@@ -47,7 +56,9 @@ def create_run_engine(config: Config) -> Any:
 def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: Any = None) -> tuple[Any, Any]:
     """Start ``--rollout-num-engines`` serve-engine servers (logs under ``out/engines``;
     under ``--use-ray`` each on its Ray actor) and an
-    :class:`~miles_core.engine.http.HttpEngine` over them."""
+    :class:`~miles_core.engine.http.HttpEngine` over them; under ``--use-ray`` the
+    sglang-diffusion servers on their actors (work directory ``out/sglang``) and an
+    :class:`~miles_core.engine.sglang.SglangEngine` over them."""
     from miles_core.engine.fleet import EngineFleet
     from miles_core.engine.http import FaultTolerance, HttpEngine
     from miles_core.errors import FleetError
@@ -56,21 +67,43 @@ def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: 
         fault_tolerance = FaultTolerance.from_config(config)
     except ValueError as exc:
         raise RunError(str(exc)) from None
-    log_dir = out / "engines"
-    if hosts_embedded(config):
+    sglang = hosts_sglang(config)
+    log_dir = (out / "sglang").absolute() if sglang else out / "engines"
+    if sglang:
+        from miles_core.engine.sglang import SglangEngine
+
+        options = SglangEngine.client_options(config)  # its settings' errors come before any server starts
+        log(f"starting {started_servers(config)} sglang-diffusion server(s) of {config.hf_checkpoint} on Ray actors, logs in {log_dir}")
+    elif hosts_embedded(config):
         log(f"starting the embedded engine of {config.hf_checkpoint} on its Ray actor")
     else:
         log(f"starting {config.rollout_num_engines} engine server(s) of {config.hf_checkpoint}, logs in {log_dir}")
+    # --use-miles-router: the router first, so that one that cannot start costs no engine start.
+    router = _start_router(config, out, log, cluster) if config.get("use_miles_router") else None
     try:
         fleet = EngineFleet.from_config(config, log_dir) if cluster is None else cluster.engine_fleet(log_dir)
-    except FleetError as exc:
-        raise RunError(str(exc)) from None
+    except BaseException as exc:
+        if router is not None:
+            router.stop(timeout=5)
+        if isinstance(exc, FleetError):
+            raise RunError(str(exc)) from None
+        raise
     log(f"engine servers: {', '.join(fleet.urls)}")
+    if router is not None:
+        from miles_core.engine.router_process import RoutedFleet
+
+        fleet = RoutedFleet(fleet, router)
 
     async def restart(index: int) -> str:  # --use-fault-tolerance: the run restarts the servers it started
         return await asyncio.to_thread(fleet.restart, index)
 
     try:
+        if sglang:
+            engine = SglangEngine(
+                fleet.urls, [], [], log_dir, restart=restart if options["fault_tolerance"] is not None else None, **options
+            )
+            engine.model_path = str(config.hf_checkpoint)
+            return _post_from_nodes(config, cluster, engine, fleet), fleet
         engine = HttpEngine(
             fleet.urls,
             max_concurrency=config.sglang_server_concurrency,
@@ -78,8 +111,44 @@ def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: 
             request_timeout=config.get("miles_router_timeout"),
             fault_tolerance=fault_tolerance,
             restart=restart if fault_tolerance is not None else None,
+            router=None if router is None else router.url,
+            router_log=None if router is None else str(router.log_path),
         )
+        return _post_from_nodes(config, cluster, engine, fleet), fleet
     except ValueError as exc:
         fleet.stop(timeout=5)
         raise RunError(f"--miles-router-timeout: {exc}") from None
-    return engine, fleet
+    except BaseException:  # servers the run started never outlive a failed set-up
+        fleet.stop(timeout=5)
+        raise
+
+
+def _start_router(config: Config, out: Path, log: Callable[[str], None], cluster: Any) -> Any:
+    """``--use-miles-router``: start the router (log ``out/router.log``; under ``--use-ray``
+    bound to this node's IP, so that actors on other nodes reach it)."""
+    from miles_core.engine.router_process import router_arguments, start_router
+    from miles_core.errors import FleetError
+
+    host = "127.0.0.1"
+    if cluster is not None:
+        host = cluster.node_address()
+    log_path = (out / "router.log").absolute()
+    try:
+        router = start_router(router_arguments(config), log_path, host=host)
+    except FleetError as exc:
+        raise RunError(f"--use-miles-router: {exc}") from None
+    log(f"miles router: {router.url}, log in {log_path}")
+    return router
+
+
+def _post_from_nodes(config: Config, cluster: Any, engine: Any, fleet: Any) -> Any:
+    """``--use-distributed-post``: ``engine``'s requests posted by actors on the engines'
+    nodes (:mod:`miles_core.cluster.post_actors`); the fleet is stopped if they cannot start."""
+    if cluster is None or not config.get("use_distributed_post"):
+        return engine
+    try:
+        engine.poster = cluster.poster(fleet)
+    except BaseException:
+        fleet.stop(timeout=5)
+        raise
+    return engine

@@ -21,6 +21,15 @@ the weights of one moment.
 Training ranks on Ray send the weights themselves (:func:`send_from_rank`): every rank
 gathers them one tensor at a time and rank 0 posts the buckets, so no process holds the
 whole trainable state; the driver compares the checksums (:func:`check_checksums`).
+
+The path the buckets take is ``--weight-sync-path``'s
+(:func:`~miles_core.config.sync_path.choose_sync_path`): posted over HTTP (``http``; the
+``sglang`` engine writes them to disk instead, ``disk``), broadcast in a torch.distributed
+group of the trainer (rank 0) and the engine servers (``distributed``: one group per set of
+servers, kept from sync to sync and closed by :func:`close_weight_groups`), or handed over
+as CUDA-IPC handles (``cuda-ipc``, :mod:`miles_core.training.ipc_sync`; a run's syncs are
+dispatched by :mod:`miles_core.training.sync_dispatch`). Every path ends with the same
+checksum comparison.
 """
 
 from __future__ import annotations
@@ -158,6 +167,7 @@ class _Hashing:
         self.digest = hashlib.sha256()
         self.bytes = 0
         self.count = 0
+        self.seconds = 0.0  # spent hashing (reported apart from the transfer)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         previous = None
@@ -166,8 +176,10 @@ class _Hashing:
                 raise ValueError(f"weights must come in sorted name order ({name!r} after {previous!r})")
             previous = name
             tensor = tensor.detach().cpu().contiguous()
+            began = time.perf_counter()
             self.digest.update(name.encode())
             self.digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            self.seconds += time.perf_counter() - began
             self.bytes += tensor.numel() * tensor.element_size()
             self.count += 1
             yield name, tensor
@@ -178,6 +190,10 @@ class SyncResult:
     seconds: float = 0.0
     bytes: int = 0  # tensor bytes sent to each engine server
     checksums: dict[str, str] = field(default_factory=dict)  # module -> the checksum every server reported
+    checksum_seconds: float = 0.0
+    """Of ``seconds``: hashing what was sent, and asking the servers for their checksums."""
+    path: str = "http"
+    """The ``--weight-sync-path`` it took."""
 
     def metrics(self) -> dict[str, float]:
         return {"perf/weight_sync_time": self.seconds, "perf/weight_sync_bytes": self.bytes}
@@ -218,37 +234,113 @@ def snapshot_weights(modules: Mapping[str, torch.nn.Module], config: Any) -> lis
     return weights
 
 
+def sync_path(config: Any) -> str:
+    """The path this run's syncs take: ``--weight-sync-path``, ``auto`` resolved by
+    :func:`~miles_core.config.sync_path.run_sync_path` (a configuration without the flag,
+    such as a test's namespace: ``http``)."""
+    chosen = getattr(config, "weight_sync_path", None)
+    if chosen is None:
+        return "http"
+    if chosen == "auto":
+        from miles_core.config.sync_path import run_sync_path
+
+        chosen = run_sync_path(config, cuda=torch.cuda.is_available())
+    return "http" if chosen == "none" else chosen
+
+
 async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | Sequence[ModuleWeights], config: Any) -> SyncResult:
     """Send the trained modules' weights (or a :func:`snapshot_weights` of them) to every
-    server of ``engine`` (an :class:`~miles_core.engine.http.HttpEngine`), then check every
-    server's checksums."""
+    server of ``engine`` (an :class:`~miles_core.engine.http.HttpEngine`, or the ``sglang``
+    engine) along :func:`sync_path`: ``http``, ``disk`` or ``distributed`` (a run's syncs go
+    through :func:`~miles_core.training.sync_dispatch.sync_weights`, which sends ``cuda-ipc``
+    itself; under ``cuda-ipc`` this sends a host snapshot, a re-sync, as ``http``), then check
+    every server's checksums."""
+    path = sync_path(config)
+    if path == "cuda-ipc":
+        path = "http"  # what reaches here under cuda-ipc (a host snapshot: a re-sync) goes as bytes
     began = time.perf_counter()
     lora_only = bool(config.lora_ipc_weight_sync)
     weights = (
         [_module_weights(name, module, lora_only) for name, module in modules.items()] if isinstance(modules, Mapping) else list(modules)
     )
-    result = SyncResult()
+    result = SyncResult(path=path)
+    sender = await group_sender(engine.weight_urls(), config) if path == "distributed" else None
     for module_weights in weights:
         name = module_weights.name
         sent = _Hashing(module_weights.tensors)
+        if lora_only and (module_weights.lora_config is None or module_weights.checksum is None):
+            raise ValueError(f"{name}: a LoRA-only sync needs the weights of a LoRA-only snapshot")
+        send = sender.send if sender is not None else engine.update_weights_from_tensors
         if lora_only:
-            if module_weights.lora_config is None or module_weights.checksum is None:
-                raise ValueError(f"{name}: a LoRA-only sync needs the weights of a LoRA-only snapshot")
-            await engine.update_weights_from_tensors(
-                name,
-                sent,
-                buffer_size=config.update_weight_buffer_size,
-                lora_only=True,
-                lora_config=module_weights.lora_config,
-            )
+            await send(name, sent, buffer_size=config.update_weight_buffer_size, lora_only=True, lora_config=module_weights.lora_config)
             result.checksums[name] = module_weights.checksum
         else:
-            await engine.update_weights_from_tensors(name, sent, buffer_size=config.update_weight_buffer_size)
+            await send(name, sent, buffer_size=config.update_weight_buffer_size)
             result.checksums[name] = sent.digest.hexdigest()
         result.bytes += sent.bytes
+        result.checksum_seconds += sent.seconds
+    checking = time.perf_counter()
     await check_checksums(engine, result.checksums, lora_only=lora_only)
+    _GROUP_STATE["synced"] = True
+    result.checksum_seconds += time.perf_counter() - checking
     result.seconds = time.perf_counter() - began
     return result
+
+
+# -- the distributed path: one weight-update group per set of engine servers ------------------
+
+_GROUPS: dict[tuple[str, ...], Any] = {}
+"""The open :class:`~miles_core.engine.group_sender.GroupSender` of each set of server URLs."""
+_GROUP_STATE = {"synced": False}
+"""Whether a sync went through since the groups were last closed: a group that cannot be
+made before that fails the run at start-up (exit status 2), after it mid-run (1)."""
+
+JOIN_TIMEOUT_ENV = "MILES_WEIGHT_SYNC_JOIN_TIMEOUT"
+ADDRESS_ENV = "MILES_WEIGHT_SYNC_ADDRESS"
+
+
+def _group_backend(config: Any) -> str:
+    """nccl when this process has CUDA and the run's backend is not gloo; else gloo."""
+    backend = getattr(config, "distributed_backend", None)
+    return "nccl" if torch.cuda.is_available() and backend != "gloo" else "gloo"
+
+
+async def group_sender(urls: Sequence[str], config: Any) -> Any:
+    """The open weight-update group with the servers ``urls`` (this process is rank 0),
+    made on first use; a group sharing a server with them (the set changed: a server was
+    restarted or left) is closed first. ``MILES_WEIGHT_SYNC_ADDRESS`` overrides the
+    address the servers reach this process at, ``MILES_WEIGHT_SYNC_JOIN_TIMEOUT`` (seconds,
+    default 60) how long they may take to join."""
+    import os
+
+    from miles_core.engine.group_sender import GroupSender
+    from miles_core.engine.weight_group import DEFAULT_JOIN_TIMEOUT_S
+
+    key = tuple(dict.fromkeys(url.rstrip("/") for url in urls))
+    sender = _GROUPS.get(key)
+    if sender is not None and sender.group is not None:
+        return sender
+    for other in [k for k in _GROUPS if set(k) & set(key)]:
+        await _GROUPS.pop(other).close()
+    minutes = getattr(config, "distributed_timeout_minutes", None) or 10
+    sender = GroupSender(
+        key,
+        backend=_group_backend(config),
+        master_address=os.environ.get(ADDRESS_ENV) or None,
+        join_timeout=float(os.environ.get(JOIN_TIMEOUT_ENV) or DEFAULT_JOIN_TIMEOUT_S),
+        timeout=60.0 * minutes,
+    )
+    await sender.open(startup=not _GROUP_STATE["synced"])
+    _GROUPS[key] = sender
+    return sender
+
+
+async def close_weight_groups() -> None:
+    """Close every weight-update group this process opened (the servers asked to leave)."""
+    while _GROUPS:
+        _, sender = _GROUPS.popitem()
+        await sender.close()
+    _GROUP_STATE["synced"] = False
 
 
 async def check_checksums(engine: Any, expected: Mapping[str, str], *, lora_only: bool) -> None:
@@ -361,10 +453,13 @@ def send_from_rank(
     module's tensors are gathered as :func:`rank_engine_tensors` yields them, and the
     sender (``sends``: rank 0) posts them to every server of ``urls`` in safetensors
     buckets of at most ``--update-weight-buffer-size`` bytes as each bucket fills; no rank
-    holds more than one bucket of gathered weights. Returns what the sender sent:
-    ``{"checksums": {module: sha256}, "bytes": n, "error": None | [url, status, message]}``.
-    A server that refuses or does not answer stops the sending; the gathers still go on
-    to the end, so the ranks' collectives stay paired."""
+    holds more than one bucket of gathered weights (``--weight-sync-path distributed``: the
+    sender broadcasts them in its weight-update group with the servers instead, see
+    :func:`group_sender`). Returns what the sender sent: ``{"checksums": {module: sha256},
+    "bytes": n, "error": None | [url, status, message], "failure": None | [message,
+    exit_code]}`` (``failure``: the weight-update group could not be made or used). A
+    server that refuses or does not answer stops the sending; the gathers still go on to
+    the end, so the ranks' collectives stay paired."""
     return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends))
 
 
@@ -377,17 +472,23 @@ async def _send_from_rank(
     sends: bool,
 ) -> dict[str, Any]:
     from miles_core.engine.http import HttpEngine
-    from miles_core.errors import EngineRequestError
+    from miles_core.errors import EngineRequestError, WeightGroupError
 
     client = HttpEngine(urls) if sends and urls else None
-    answer: dict[str, Any] = {"checksums": {}, "bytes": 0, "error": None}
+    answer: dict[str, Any] = {"checksums": {}, "bytes": 0, "error": None, "failure": None}
+    send = client.update_weights_from_tensors if client is not None else None
+    if client is not None and sync_path(config) == "distributed":
+        try:
+            send = (await group_sender(urls, config)).send
+        except WeightGroupError as exc:
+            answer["failure"] = [str(exc), exc.exit_code]
     try:
         for name, module in modules.items():
             tensors = rank_engine_tensors(module, dtypes[name], lora_only=lora_only)
-            if client is not None and answer["error"] is None:
+            if send is not None and answer["error"] is None and answer["failure"] is None:
                 sent = _Hashing(tensors)
                 try:
-                    await client.update_weights_from_tensors(
+                    await send(
                         name,
                         sent,
                         buffer_size=config.update_weight_buffer_size,
@@ -398,6 +499,8 @@ async def _send_from_rank(
                     answer["checksums"][name] = sent.digest.hexdigest()
                 except EngineRequestError as exc:
                     answer["error"] = [exc.url, exc.status, exc.message]
+                except WeightGroupError as exc:
+                    answer["failure"] = [str(exc), exc.exit_code]
             for _ in tensors:  # what is left (everything, on the other ranks): gathered and dropped
                 pass
             if lora_only:  # the engine's module holds the base weights and the adapter
@@ -405,6 +508,8 @@ async def _send_from_rank(
     finally:
         if client is not None:
             await client.close()
+    if client is not None and answer["error"] is None and answer["failure"] is None:
+        _GROUP_STATE["synced"] = True  # a later group failure is mid-run
     return answer
 
 
@@ -413,8 +518,10 @@ __all__ = [
     "SyncResult",
     "WeightSyncError",
     "check_checksums",
+    "close_weight_groups",
     "engine_weights",
     "expected_checksum",
+    "group_sender",
     "lora_config",
     "lora_tensors",
     "rank_engine_tensors",
@@ -422,5 +529,6 @@ __all__ = [
     "send_from_rank",
     "snapshot_weights",
     "sync_lora_only",
+    "sync_path",
     "sync_to_engine",
 ]

@@ -42,12 +42,14 @@ def miles_register_rewards() -> list[RewardSpec]:
             ref="miles_rewards.pickscore:PickScore",
             description="PickScore: logit_scale.exp() * cos(CLIP text, CLIP image) / 26, about 0-1 "
             "(--pickscore-model-path, --pickscore-processor-path)",
+            uses_gpu=True,
         ),
         RewardSpec(
             name="aesthetic",
             ref="miles_rewards.aesthetic:Aesthetic",
             description="LAION aesthetic predictor: MLP head on the L2-normalised CLIP ViT-L/14 image embedding, "
             "about 1-10 (--aesthetic-clip-path, --aesthetic-head-path)",
+            uses_gpu=True,
         ),
         RewardSpec(
             name="ocr",
@@ -61,12 +63,8 @@ def miles_register_rewards() -> list[RewardSpec]:
 @hookimpl
 def miles_add_arguments() -> list[Flag]:
     # The reference's reward flags, and the aesthetic reward's; they exist exactly when this
-    # plugin is installed. A flag whose feature is not in this version (reward workers) stops
-    # a training run when set, instead of being ignored.
-    no_workers = (
-        "several PickScore workers are not in this version: PickScore scores in the training process (with "
-        "--use-ray, on the run's one reward-worker actor), on its GPU when one is visible, else on the CPU"
-    )
+    # plugin is installed. The reference's PickScore worker flags are other names for the
+    # core's reward-worker flags, which size the workers of every reward.
     return [
         Flag(
             name="--pickscore-model-path",
@@ -85,20 +83,24 @@ def miles_add_arguments() -> list[Flag]:
         Flag(
             name="--pickscore-num-workers",
             group="reward",
-            unavailable=no_workers,
+            alias_of="--reward-num-workers",
             type="int",
-            default=1,
             range="[1, inf)",
-            help="Reward workers scoring with PickScore.",
+            reference_default="1",
+            differs="Unset follows --reward-num-workers (default 1), which it sets.",
+            help="Reward workers under --use-ray: the reference's name for --reward-num-workers (which sizes the "
+            "workers of every reward, PickScore's included); giving both with different values is an error.",
         ),
         Flag(
             name="--pickscore-num-gpus-per-worker",
             group="reward",
-            unavailable=no_workers,
+            alias_of="--reward-num-gpus-per-worker",
             type="float",
-            default=1.0,
             range="[0, inf)",
-            help="GPUs per PickScore worker; fractions share a GPU.",
+            reference_default="1.0",
+            differs="Unset follows --reward-num-gpus-per-worker, which it sets; unset, that is 1 for PickScore.",
+            help="GPUs per reward worker under --use-ray (fractions share a GPU): the reference's name for "
+            "--reward-num-gpus-per-worker; giving both with different values is an error.",
         ),
         Flag(
             name="--pickscore-batch-size",

@@ -1,0 +1,239 @@
+"""Reward workers under Ray (``--reward-num-workers``, ``--reward-num-gpus-per-worker``),
+on a local Ray instance where a ``{"CPU": 1}`` bundle stands in for each worker's GPU:
+
+- two workers score what one worker and the in-process scorer score, sample by sample,
+  failures masked, and report the same reward metrics (the workers' reward counters
+  summed); a changed pixel, the control, changes the rewards;
+- each worker scores one contiguous chunk of a call (whole prompt groups under
+  ``--group-rm``), and calls rotate over the workers;
+- a dead worker is one line naming it and its node;
+- the placement: one bundle per worker, GPUs per worker, ``--colocate-reward``; bad
+  input is one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from miles_core.api import Flag
+from miles_core.cluster.placement import plan_placement
+from miles_core.cluster.reward_worker import RayRewardScorer, split_chunks
+from miles_core.cluster.session import RaySession
+from miles_core.config.parser import flag_entries
+from miles_core.config.resolve import resolve_config
+from miles_core.errors import ConfigError, PlacementError, RewardWorkerDiedError
+from miles_core.plugin_manager import OwnedFlag, get_host
+from miles_core.registry import PluginInfo
+from miles_core.training.rewards import RewardScorer
+
+BASE = [
+    "--hf-checkpoint",
+    "stabilityai/stable-diffusion-3.5-medium",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--diffusion-num-sde-steps",
+    "2",
+    "--use-ray",
+]
+MIXTURE = ("--reward-weights", '{"brightness": 0.5, "redness": 0.5}')
+
+
+def make_samples(groups: int, *, nan: tuple[int, ...] = (), reward: str | None = None) -> list[SimpleNamespace]:
+    """Two samples per prompt group with random RGB pixels; a sample in ``nan`` has a NaN
+    pixel (its rewards are NaN: that sample fails alone); ``reward``: each row's own
+    reward (``metadata.rm_type``)."""
+    generator = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(2 * groups):
+        pixels = torch.rand((3, 8, 8), generator=generator)
+        if i in nan:
+            pixels[1, 2, 3] = math.nan
+        samples.append(
+            SimpleNamespace(
+                pixels=pixels,
+                prompt=f"prompt {i // 2}",
+                metadata={"rm_type": reward} if reward else {},
+                seed=100 + i,
+                group_index=i // 2,
+                index_in_group=i % 2,
+                reward=None,
+                reward_components={},
+                reward_failed=False,
+                remove_sample=False,
+            )
+        )
+    return samples
+
+
+def copies(samples: list[SimpleNamespace]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(**{**vars(s), "metadata": dict(s.metadata)}) for s in samples]
+
+
+def outcomes(samples: list[Any]) -> list[tuple]:
+    """What scoring set on each sample (a failed reward, NaN, as None so that it compares)."""
+    return [
+        (None if math.isnan(s.reward) else s.reward, s.reward_components, s.reward_failed, s.reward_failures, s.remove_sample)
+        for s in samples
+    ]
+
+
+def scored(scorer: Any, samples: list[Any]) -> tuple[list[tuple], dict[str, float]]:
+    asyncio.run(scorer.score(samples))
+    return outcomes(samples), scorer.finish(samples)
+
+
+def register_counting(worker: Any = None) -> None:
+    """Register ``tests.reward_examples.Counting`` (a reward counting its calls and outputs,
+    reported through ``pop_metrics``) as reward ``counting`` in this process's plugin host;
+    in an actor's through ``__ray_call__``."""
+    from miles_core.registry import PluginInfo, Registration
+    from miles_core.specs import RewardSpec
+
+    spec = RewardSpec(name="counting", ref="tests.reward_examples:Counting")
+    get_host().registries.reward.add(Registration(spec, PluginInfo("counting", "tests", "0")))
+
+
+def outputs_per_worker(scorer: RayRewardScorer) -> list[float]:
+    """The outputs reward ``counting`` scored on each worker since last asked."""
+    counted = ray.get([w.counters.remote(False, ["counting"], "") for w in scorer.workers])
+    return [c.get("counting/outputs", 0.0) for c in counted]
+
+
+@pytest.mark.exercises("--reward-num-workers", "--reward-weights", "--group-rm")
+def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, request):
+    config = resolve_config([*BASE, *MIXTURE, "--group-rm", "--reward-num-workers", "2"])
+    # Sample 5's rewards are NaN: it alone is masked. The rows' own reward "counting"
+    # (groups 0 and 3) reports counters, which the driver sums over the workers.
+    samples = make_samples(4, nan=(5,))
+    for i in (0, 1, 6, 7):
+        samples[i].metadata["rm_type"] = "counting"
+    register_counting()
+    request.addfinalizer(lambda: get_host().registries.reward.discard("counting"))
+    local, local_metrics = scored(RewardScorer(config), copies(samples))
+    assert [o[2] for o in local] == [False] * 5 + [True] + [False] * 2 and local[5][0] is None and local[5][4]
+    assert local_metrics["rollout/reward/failed"] == 1 and local_metrics["rollout/reward/counting/outputs"] == 4
+
+    session = RaySession.start(config, engines=0, reward_worker=True)
+    try:
+        two = session.reward_scorer()
+        assert len(two.workers) == 2 and session.runtime.plan.bundles[1:] == [{"CPU": 1.0}, {"CPU": 1.0}]
+        ray.get([worker.__ray_call__.remote(register_counting) for worker in two.workers])
+        one = RayRewardScorer(two.workers[:1], places=two.places[:1])
+        assert scored(one, copies(samples)) == (local, local_metrics)
+        assert scored(two, copies(samples)) == (local, local_metrics)
+        # Each worker scores its chunk: three groups of two go as groups 0-1 and group 2
+        # (an even cut of the samples, 3 and 3, would split group 1).
+        asyncio.run(two.score(make_samples(3, reward="counting")))
+        assert outputs_per_worker(two) == [4.0, 2.0]
+        # One group per call (streaming): the calls take turns on the workers.
+        turns = []
+        for _ in range(3):
+            asyncio.run(two.score(make_samples(1, reward="counting")))
+            turns.append(outputs_per_worker(two))
+        assert turns == [[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]]
+        # The control: one changed pixel changes that sample's rewards.
+        nudged = copies(samples)
+        nudged[3].pixels = nudged[3].pixels.clone()
+        nudged[3].pixels[0, 0, 0] += 0.5
+        assert scored(two, nudged)[0] != local
+        # A dead worker: one line naming it and its node, exit status 1.
+        ray.kill(two.workers[1])
+        with pytest.raises(RewardWorkerDiedError) as info:
+            asyncio.run(two.score(copies(samples)))
+        (node,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+        assert str(info.value).startswith(f"reward worker 1 of 2 on node {node} (") and "\n" not in str(info.value)
+        assert info.value.exit_code == 1
+    finally:
+        session.close()
+
+
+def test_chunks_are_contiguous_balanced_and_keep_groups_whole():
+    flat = make_samples(4)
+    assert split_chunks(flat, 2, whole_groups=False) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_chunks(flat[:3], 2, whole_groups=False) == [[0, 1], [2]]
+    assert split_chunks(flat[:1], 3, whole_groups=False) == [[0]]
+    # Groups of three on two workers: whole groups, while an even cut splits group 1 (the control).
+    threes = [SimpleNamespace(group_index=i // 3) for i in range(9)]
+    assert split_chunks(threes, 2, whole_groups=True) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    assert split_chunks(threes, 2, whole_groups=False) == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def _config(*extra: str) -> Any:
+    return resolve_config([*BASE, "--rm-type", "brightness", *extra])
+
+
+@pytest.mark.exercises("--reward-num-gpus-per-worker", "--colocate-reward")
+def test_each_worker_gets_a_bundle_with_its_gpus():
+    plan = plan_placement(_config("--reward-num-workers", "2", "--reward-num-gpus-per-worker", "0.5"), gpus=True)
+    assert plan.rewards == [1, 2] and plan.bundles[1:] == [{"GPU": 0.5, "CPU": 1.0}] * 2 and plan.reward_gpus == 0.5
+    assert plan.describe().endswith("1 training rank(s), 2 reward workers x 0.5 GPU")
+    # CPUs stand in for GPUs; 0 GPUs is a CPU bundle on a GPU cluster.
+    assert (
+        plan_placement(_config("--reward-num-workers", "2", "--reward-num-gpus-per-worker", "0.5"), gpus=False).bundles[1:]
+        == [{"CPU": 1.0}] * 2
+    )
+    assert plan_placement(_config("--reward-num-gpus-per-worker", "0"), gpus=True).bundles[1:] == [{"CPU": 1.0}]
+    # Unset: a weight-free reward runs on the CPU, a model reward (its spec's uses_gpu) gets a GPU.
+    assert _config().reward_num_gpus_per_worker == 0.0
+    pickscore = resolve_config([*BASE, "--rm-type", "pickscore", "--pickscore-model-path", "org/m", "--pickscore-processor-path", "org/p"])
+    assert pickscore.reward_num_gpus_per_worker == 1.0
+    assert plan_placement(pickscore, gpus=True).bundles[1:] == [{"GPU": 1.0, "CPU": 1.0}]
+    # --colocate-reward: one worker per rollout device, a 0.05 share each.
+    colocated = ("--actor-num-gpus-per-node", "2", "--colocate", "--colocate-reward")
+    plan = plan_placement(_config(*colocated, "--reward-num-workers", "2"), gpus=True, engines=2)
+    assert len(plan.bundles) == 2 and plan.rewards == [0, 1] and plan.reward_share == plan.reward_gpus == 0.05
+    with pytest.raises(PlacementError) as info:
+        plan_placement(_config(*colocated, "--reward-num-workers", "3"), gpus=True, engines=2)
+    assert str(info.value) == (
+        "--reward-num-workers 3 with --colocate-reward: a colocated reward worker takes a 0.05 share of a rollout "
+        "device, one worker per device, and the engines have 2"
+    )
+
+
+def test_bad_worker_settings_are_one_line_naming_the_flag(ray_cluster):
+    with pytest.raises(ConfigError) as info:
+        _config("--reward-num-workers", "0", "--reward-num-gpus-per-worker", "-1")
+    assert str(info.value).splitlines() == [
+        "--reward-num-workers 0: must be at least 1",
+        "--reward-num-gpus-per-worker -1.0: must not be negative",
+    ]
+    assert info.value.exit_code == 2
+    with pytest.raises(ConfigError, match=r"^--reward-num-gpus-per-worker 0.5 and --colocate-reward cannot be combined"):
+        _config("--colocate", "--colocate-reward", "--reward-num-gpus-per-worker", "0.5")
+    with pytest.raises(PlacementError) as info:
+        plan_placement(_config("--reward-num-gpus-per-worker", "1.5"), gpus=True)
+    assert (
+        str(info.value)
+        == "--reward-num-gpus-per-worker 1.5: above 1 it must be a whole number (Ray gives an actor a fraction of one GPU or whole GPUs)"
+    )
+    # More workers than the cluster holds: refused at once, before any placement group.
+    groups = len(ray.util.placement_group_table())
+    with pytest.raises(PlacementError) as info:
+        RaySession.start(_config("--reward-num-workers", "4"), engines=0, reward_worker=True)
+    assert str(info.value) == (
+        "--reward-num-workers 4: 4 reward worker bundle(s) of {'CPU': 1.0} do not fit beside the run's other 1 "
+        "bundle(s): together they need 5 CPU and the cluster has 4"
+    )
+    assert info.value.exit_code == 2 and len(ray.util.placement_group_table()) == groups
+
+
+def test_an_alias_flag_must_name_a_flag_of_its_type():
+    owner = PluginInfo("example", "miles-example", "0")
+    for alias, why in (
+        (Flag(name="--x-workers", group="reward", type="int", alias_of="--no-such-flag"), "no such flag"),
+        (Flag(name="--x-workers", group="reward", type="float", alias_of="--reward-num-workers"), "it takes int, not float"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            flag_entries([OwnedFlag(alias, owner)])
+        assert str(info.value) == f"--x-workers (miles-example 0) is declared an alias of {alias.alias_of}: {why}"
+    with pytest.raises(ValueError, match="an alias of --reward-num-workers has no default"):
+        Flag(name="--x-workers", group="reward", type="int", default=1, alias_of="--reward-num-workers")
