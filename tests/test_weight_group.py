@@ -20,7 +20,7 @@ import torch
 import miles_core.engine.group_sender as group_sender_module
 import miles_core.training.weight_sync as weight_sync
 from miles_core.config.resolve import resolve_config
-from miles_core.config.sync_path import choose_sync_path
+from miles_core.config.sync_path import choose_sync_path, ranks_sync_path
 from miles_core.engine.fleet import EngineFleet
 from miles_core.engine.http import HttpEngine
 from miles_core.errors import ConfigError, EngineRequestError, WeightGroupError, WeightSyncError
@@ -148,6 +148,9 @@ def test_impossible_weight_sync_paths_are_refused_in_one_line(tiny_sd3, prompts,
     assert choice("auto", "serve-engine", use_ray=True) == "http"  # CPU: HTTP stays the default
     assert choice("auto", "sglang", cuda=True, use_ray=True) == "disk"
     assert choice("distributed", "serve-engine") == "distributed"  # gloo on CPU, when asked for
+    # Under Ray the driver decides for every rank from the placement's devices, not its own.
+    ray_config = SimpleNamespace(rollout_engine="http", get={"weight_sync_path": "auto", "use_ray": True}.get)
+    assert ranks_sync_path(ray_config, gpus=True) == "distributed" and ranks_sync_path(ray_config, gpus=False) == "http"
     refusals = {
         ("distributed", "embedded", False, False): "--weight-sync-path distributed: the in-process embedded engine samples the "
         "trainer's own modules, so there is no weight sync (leave it auto, or use --use-ray or --rollout-engine http/sglang)",

@@ -103,16 +103,19 @@ class TrainRank:
 
     # Gathers and loads: collectives, called on every rank together; rank 0 answers.
 
-    def send_weights(self, urls: list[str], lora_only: bool, ema: bool) -> dict[str, Any] | None:
+    def send_weights(self, urls: list[str], lora_only: bool, ema: bool, path: str) -> dict[str, Any] | None:
         """Weight sync to the engine servers ``urls``: every rank gathers, rank 0 posts the
         buckets (:func:`~miles_core.training.weight_sync.send_from_rank`); ``ema``: the
-        EMA weights are swapped in meanwhile (``--ema-rollout-policy ema``)."""
+        EMA weights are swapped in meanwhile (``--ema-rollout-policy ema``); ``path``: the
+        driver's :meth:`RayTrainer.sync_path`."""
         from miles_core.training.weight_sync import send_from_rank
 
         trainer = self.trainer
         policy = trainer.ema.swap_into(trainer.named_trainable()) if ema else nullcontext()
         with policy:
-            answer = send_from_rank(trainer.modules, trainer.engine_dtypes, urls, self.config, lora_only=lora_only, sends=self.rank == 0)
+            answer = send_from_rank(
+                trainer.modules, trainer.engine_dtypes, urls, self.config, lora_only=lora_only, sends=self.rank == 0, path=path
+            )
         return answer if self.rank == 0 else None
 
     def save_weights(self, out: str) -> None:
@@ -221,7 +224,12 @@ class RayTrainer:
     def __init__(self, config: Any, runtime: RayRuntime) -> None:
         import ray
 
+        from miles_core.config.sync_path import ranks_sync_path
+
         self.config = config
+        self.sync_path = ranks_sync_path(config, gpus=runtime.plan.device == "GPU")
+        """The path of every weight sync, decided here from the placement (a rank's own
+        devices may differ from the driver's)."""
         self.on_progress = None
         self.last_pairs: list = []
         self._ray = ray
@@ -314,7 +322,7 @@ class RayTrainer:
         supervisor = getattr(engine, "supervisor", None)
         while True:
             urls = engine.weight_urls()
-            answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema))[0]
+            answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema, self.sync_path))[0]
             if answer.get("failure"):  # --weight-sync-path distributed: the group could not be made or used
                 message, exit_code = answer["failure"]
                 raise WeightGroupError(message, startup=exit_code == 2)

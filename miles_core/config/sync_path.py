@@ -110,4 +110,13 @@ def run_sync_path(config: Any, *, cuda: bool) -> str:
     return choose_sync_path(config, engine_kind=engine_kind(config), colocated=bool(config.get("colocate")), cuda=cuda)
 
 
-__all__ = ["PATHS", "choose_sync_path", "engine_kind", "run_sync_path"]
+def ranks_sync_path(config: Any, *, gpus: bool) -> str:
+    """The path of a ``--use-ray`` run's syncs, decided once by the driver from the
+    placement (``gpus``: the cluster's devices are GPUs) rather than by each rank from its
+    own devices: the ranks send ``http`` buckets or broadcast in a ``distributed`` group
+    (``auto`` never picks ``cuda-ipc`` under Ray, and an explicit one is refused)."""
+    chosen = run_sync_path(config, cuda=gpus)
+    return chosen if chosen == "distributed" else "http"
+
+
+__all__ = ["PATHS", "choose_sync_path", "engine_kind", "ranks_sync_path", "run_sync_path"]

@@ -448,6 +448,7 @@ def send_from_rank(
     *,
     lora_only: bool,
     sends: bool,
+    path: str | None = None,
 ) -> dict[str, Any]:
     """One weight sync from the training ranks (every rank calls it together): each
     module's tensors are gathered as :func:`rank_engine_tensors` yields them, and the
@@ -457,10 +458,12 @@ def send_from_rank(
     sender broadcasts them in its weight-update group with the servers instead, see
     :func:`group_sender`). Returns what the sender sent: ``{"checksums": {module: sha256},
     "bytes": n, "error": None | [url, status, message], "failure": None | [message,
-    exit_code]}`` (``failure``: the weight-update group could not be made or used). A
+    exit_code]}`` (``failure``: the weight-update group could not be made or used);
+    ``path``: ``http`` or ``distributed`` as the driver decided it for every rank
+    (default: :func:`sync_path` of ``config`` in this process). A
     server that refuses or does not answer stops the sending; the gathers still go on to
     the end, so the ranks' collectives stay paired."""
-    return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends))
+    return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends, path or sync_path(config)))
 
 
 async def _send_from_rank(
@@ -470,6 +473,7 @@ async def _send_from_rank(
     config: Any,
     lora_only: bool,
     sends: bool,
+    path: str,
 ) -> dict[str, Any]:
     from miles_core.engine.http import HttpEngine
     from miles_core.errors import EngineRequestError, WeightGroupError
@@ -477,7 +481,7 @@ async def _send_from_rank(
     client = HttpEngine(urls) if sends and urls else None
     answer: dict[str, Any] = {"checksums": {}, "bytes": 0, "error": None, "failure": None}
     send = client.update_weights_from_tensors if client is not None else None
-    if client is not None and sync_path(config) == "distributed":
+    if client is not None and path == "distributed":
         try:
             send = (await group_sender(urls, config)).send
         except WeightGroupError as exc:
