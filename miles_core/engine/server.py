@@ -314,6 +314,15 @@ def _json_object(data: Any) -> dict[str, Any]:
     return data
 
 
+def _refused_update(exc: WeightUpdateError, *, adapter_field: str, tensors_field: str) -> BadRequest:
+    """The answer to a weight update the module refused: an adapter that does not match
+    the server's (409) or that it cannot take (400) names ``adapter_field``; tensors that
+    do not fit (400) name ``tensors_field``."""
+    if isinstance(exc, LoraAdapterMismatch):
+        return BadRequest(adapter_field, str(exc), status=409)
+    return BadRequest(adapter_field if isinstance(exc, LoraAdapterError) else tensors_field, str(exc))
+
+
 def _target_module(engine: EmbeddedEngine, body: dict[str, Any]) -> tuple[str, bool]:
     """A weight update's ``target_module`` (one of the engine's) and ``lora_only`` flag."""
     module = body.get("target_module")
@@ -428,12 +437,8 @@ async def _update_from_tensor(request: web.Request) -> web.Response:
             raise BadRequest("bucket", f"lora_only update holds {other[0]!r}, which is not a lora_A/lora_B tensor")
     try:
         count = await asyncio.to_thread(engine.update_weights_from_tensors, module, tensors, lora_only=lora_only, lora_config=lora_config)
-    except LoraAdapterMismatch as exc:
-        raise BadRequest("lora_config", str(exc), status=409) from None
-    except LoraAdapterError as exc:
-        raise BadRequest("lora_config", str(exc)) from None
     except WeightUpdateError as exc:
-        raise BadRequest("bucket", str(exc)) from None
+        raise _refused_update(exc, adapter_field="lora_config", tensors_field="bucket") from None
     return web.json_response({"success": True, "message": f"Updated {count} tensors of {module}.", "num_tensors": count})
 
 
@@ -548,12 +553,8 @@ async def _update_from_ipc(request: web.Request, state: EngineState, raw: bytes)
 
     try:
         count = await asyncio.to_thread(load)
-    except LoraAdapterMismatch as exc:
-        raise BadRequest("weight_update_mode", str(exc), status=409) from None
-    except LoraAdapterError as exc:
-        raise BadRequest("weight_update_mode", str(exc)) from None
     except WeightUpdateError as exc:
-        raise BadRequest("serialized_named_tensors", str(exc)) from None
+        raise _refused_update(exc, adapter_field="weight_update_mode", tensors_field="serialized_named_tensors") from None
     return web.json_response({"success": True, "message": f"Updated {count} tensors of {module} from IPC handles.", "num_tensors": count})
 
 
@@ -731,12 +732,8 @@ async def _update_from_distributed(request: web.Request) -> web.Response:
         cause = failed.__cause__
         detail = " ".join(str(cause).split())[:300]
         raise BadRequest("group_name", f"{failed} ({type(cause).__name__}: {detail}); left the group", 502) from None
-    except LoraAdapterMismatch as exc:
-        raise BadRequest("lora_config", str(exc), status=409) from None
-    except LoraAdapterError as exc:
-        raise BadRequest("lora_config", str(exc)) from None
     except WeightUpdateError as exc:
-        raise BadRequest("names", str(exc)) from None
+        raise _refused_update(exc, adapter_field="lora_config", tensors_field="names") from None
     return web.json_response({"success": True, "message": f"Updated {count} tensors of {module}.", "num_tensors": count})
 
 
