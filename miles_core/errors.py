@@ -209,7 +209,7 @@ class RewardsFailedError(RewardError):
 
 class RewardWorkerDiedError(RewardError):
     """A reward-worker actor (``--use-ray``) died; the message names the worker and its
-    node (exit status 1: checkpoints already written are kept)."""
+    node (exit status 1; under ``--save`` the run keeps a checkpoint of its last trained rollout first)."""
 
     exit_code = 1
 

@@ -11,7 +11,8 @@
 #                                        ipc_sync (bench/gpu_ipc_sync.py), group_sync
 #                                        (bench/gpu_group_sync.py; its nccl case needs 2 GPUs)
 #   scripts/gpu_lane.sh --dry-run        every section at the tiny size on the CPU, with
-#                                        .venv's Python and nothing installed (seconds)
+#                                        .venv's Python and nothing installed (seconds; the
+#                                        sections side by side, output in section order)
 #   scripts/gpu_lane.sh --install-only   build .gpu-venv/ and stop
 # PYTHON: the machine's Python with torch (default python3); GPU_WHEELS, GPU_VENV: the
 # folders (default gpu_wheels/, .gpu-venv/); SECTION_TIMEOUT_S: a section's cut-off (300).
@@ -111,13 +112,35 @@ section_command() {  # sets cmd
   esac
 }
 
-status=0
-for section in "${SECTIONS[@]}"; do
+run_section() {  # $1: the section; fails when it does
+  local section=$1 began=$SECONDS failed=0
   echo "== $section"
-  began=$SECONDS
   # A section over its 4 minutes is cut at SECTION_TIMEOUT_S; what it wrote so far stays.
   section_command "$section"
-  timeout "${SECTION_TIMEOUT_S:-300}" "${cmd[@]}" || { echo "gpu_lane.sh: section $section failed (exit $?)" >&2; status=1; }
+  timeout "${SECTION_TIMEOUT_S:-300}" "${cmd[@]}" || { echo "gpu_lane.sh: section $section failed (exit $?)" >&2; failed=1; }
   echo "== $section took $((SECONDS - began)) s; results in $RESULTS"
-done
+  return $failed
+}
+
+status=0
+if [ "$dry_run" = 1 ]; then
+  # The dry run's sections are small and independent (each its own processes, ports
+  # and temporary folder), so they run side by side; their output follows in section order.
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu-lane-logs-XXXXXX")
+  pids=()
+  for section in "${SECTIONS[@]}"; do
+    run_section "$section" > "$logs/$section.out" 2> "$logs/$section.err" &
+    pids+=($!)
+  done
+  for i in "${!SECTIONS[@]}"; do
+    wait "${pids[$i]}" || status=1
+    cat "$logs/${SECTIONS[$i]}.out"
+    cat "$logs/${SECTIONS[$i]}.err" >&2
+  done
+  rm -rf "$logs"
+else
+  for section in "${SECTIONS[@]}"; do
+    run_section "$section" || status=1
+  done
+fi
 exit $status

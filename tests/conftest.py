@@ -34,17 +34,34 @@ def prompts(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def ray_head(request, tmp_path_factory):
+    """One single-node Ray cluster for the whole session (``ray start --head``, see
+    tests/ray_nodes.py) with as many logical CPUs as the most any module using ``ray_cluster``
+    asks for (its ``RAY_CPUS``, default 4). Its own processes rather than ``ray.init``'s:
+    modules connect and disconnect, so its start-up (seconds) is paid once, and
+    tests/test_multinode.py, which needs no Ray connected in the process, can run between
+    two modules that use it."""
+    from tests.ray_nodes import start_local_cluster
+
+    users = [item.module for item in request.session.items if "ray_cluster" in item.fixturenames]
+    cpus = max((getattr(module, "RAY_CPUS", 4) for module in users), default=4)
+    # Actors inherit the environment their node starts with: it leaves out the variable a
+    # one-process --deterministic-mode run earlier in this process set, so only a run's own
+    # env reaches them; thread counts are Ray's, as under a plain ray.init.
+    cluster = start_local_cluster(tmp_path_factory.mktemp("ray"), [cpus], one_thread=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(request):
-    """One local Ray instance for the test module (``RAY_CPUS`` logical CPUs, set in the
-    module, default 4): runs find it initialised and reuse it."""
+def ray_cluster(ray_head):
+    """The session's Ray cluster (``ray_head``), connected for the test module: runs find Ray
+    initialised and reuse it. Disconnecting at the module's end ends its actors."""
     import ray
 
-    # Actors inherit the environment Ray starts with: keep out the variable a one-process
-    # --deterministic-mode run earlier in this process set, so only a run's own env reaches them.
-    cublas = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    ray.init(num_cpus=getattr(request.module, "RAY_CPUS", 4), include_dashboard=False, log_to_driver=False)
-    if cublas is not None:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
-    yield
+    ray.init(address=ray_head.address, include_dashboard=False, log_to_driver=False)
+    yield ray_head
     ray.shutdown()

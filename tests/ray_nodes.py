@@ -9,7 +9,9 @@ process trees (the workers, and what the workers started): ``ray stop`` would en
 process on the machine. The driver joins with ``ray.init(address=...)``; a run joins with
 ``--ray-address``.
 
-:func:`two_node_cluster` is the module-scoped fixture: import it into a test module.
+:func:`two_node_cluster` is the module-scoped fixture: import it into a test module. The
+suite's one-node cluster (tests/conftest.py's ``ray_head``, shared by the modules that use
+``ray_cluster``) is started here too.
 """
 
 from __future__ import annotations
@@ -69,20 +71,28 @@ class LocalRayCluster:
     address: str = ""
     node_ids: list[str] = field(default_factory=list)
     """The Ray node id of each node, in the order started (``test_node_<i>``)."""
+    one_thread: bool = True
+    """Start the nodes with ``OMP_NUM_THREADS=1`` (else their processes take the threads Ray
+    gives each task and actor, as under a plain ``ray.init``)."""
     _starting: threading.Thread | None = None
     _failure: BaseException | None = None
     _count: int = 0
 
     def _ray_start(self, *args: str) -> None:
-        # One thread per process, as the suite pins its own; no usage reports; no token auth,
-        # as for every Ray instance of the suite (tests/conftest.py sets RAY_AUTH_MODE).
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        # No usage reports; no token auth, as for every Ray instance of the suite
+        # (tests/conftest.py sets RAY_AUTH_MODE); one thread per process unless told otherwise,
+        # as the suite pins its own.
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        if self.one_thread:
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         # Actors inherit the environment their node starts with: keep out what a one-process
-        # --deterministic-mode run earlier in this process set, as the one-node fixture does.
+        # --deterministic-mode run earlier in this process set.
         env.pop("CUBLAS_WORKSPACE_CONFIG", None)
         ray = str(Path(sys.executable).with_name("ray"))
+        # No log monitor (a process per node): the suite's drivers take no worker logs
+        # (log_to_driver=False).
         done = subprocess.run(
-            [ray, "start", "--temp-dir", str(self.temp_dir), "--disable-usage-stats", *args],
+            [ray, "start", "--temp-dir", str(self.temp_dir), "--disable-usage-stats", "--include-log-monitor", "false", *args],
             capture_output=True,
             text=True,
             env=env,
@@ -180,9 +190,9 @@ class LocalRayCluster:
         assert len(pids) == 1, (node_id, pids)
         return pids[0]
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 0.5) -> None:
         """End this cluster's processes (and only those): SIGTERM, then after ``grace`` s
-        SIGKILL (the GCS server and raylets take longer to drain, with nothing to keep)."""
+        SIGKILL (the GCS server and raylets take seconds to drain, with nothing to keep)."""
         import ray
 
         if self._starting is not None:
@@ -218,8 +228,8 @@ def _wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.P
         time.sleep(0.05)
 
 
-def start_local_cluster(temp_dir: Path, cpus: list[int], *, wait: bool = True) -> LocalRayCluster:
-    cluster = LocalRayCluster(temp_dir)
+def start_local_cluster(temp_dir: Path, cpus: list[int], *, wait: bool = True, one_thread: bool = True) -> LocalRayCluster:
+    cluster = LocalRayCluster(temp_dir, one_thread=one_thread)
     cluster.start(cpus, wait=wait)
     return cluster
 

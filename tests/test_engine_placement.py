@@ -34,7 +34,8 @@ from tests.sglang_stand_in import build_stand_in_sglang
 from tests.tiny_runs import tiny_run_args
 
 RAY_CPUS = 6
-"""Logical CPUs of the module's local Ray instance (the conftest's ``ray_cluster``)."""
+"""Logical CPUs this module needs of the suite's Ray cluster (the conftest's ``ray_head`` has
+the most any module asks for)."""
 
 
 def _config(tiny_sd3: Path, prompts: Path, out: Path, *extra: str):

@@ -215,13 +215,15 @@ def test_bad_worker_settings_are_one_line_naming_the_flag(ray_cluster):
         str(info.value)
         == "--reward-num-gpus-per-worker 1.5: above 1 it must be a whole number (Ray gives an actor a fraction of one GPU or whole GPUs)"
     )
-    # More workers than the cluster holds: refused at once, before any placement group.
+    # More workers than the cluster holds (as many as its CPUs, beside the rank's bundle):
+    # refused at once, before any placement group.
     groups = len(ray.util.placement_group_table())
+    cpus = int(ray.cluster_resources()["CPU"])
     with pytest.raises(PlacementError) as info:
-        RaySession.start(_config("--reward-num-workers", "4"), engines=0, reward_worker=True)
+        RaySession.start(_config("--reward-num-workers", str(cpus)), engines=0, reward_worker=True)
     assert str(info.value) == (
-        "--reward-num-workers 4: 4 reward worker bundle(s) of {'CPU': 1.0} do not fit beside the run's other 1 "
-        "bundle(s): together they need 5 CPU and the cluster has 4"
+        f"--reward-num-workers {cpus}: {cpus} reward worker bundle(s) of {{'CPU': 1.0}} do not fit beside the run's other 1 "
+        f"bundle(s): together they need {cpus + 1} CPU and the cluster has {cpus}"
     )
     assert info.value.exit_code == 2 and len(ray.util.placement_group_table()) == groups
 

@@ -23,6 +23,7 @@ engine is (:class:`EnginePlacement`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,10 +449,13 @@ class RayEngineFleet:
         return url
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop every server, then the host actors and bundle holders."""
-        for host in self.hosts:
+        """Stop every server (all at once: each takes about a second to exit), then the
+        host actors and bundle holders."""
+        stopping = [host.stop.remote() for host in self.hosts]
+        deadline = time.monotonic() + timeout
+        for host, stopped in zip(self.hosts, stopping):
             try:
-                self._ray.get(host.stop.remote(), timeout=timeout)
+                self._ray.get(stopped, timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # a host that died took its server with it
                 pass
             self._ray.kill(host)

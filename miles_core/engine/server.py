@@ -730,8 +730,8 @@ async def _update_from_distributed(request: web.Request) -> web.Response:
         request.app[GROUPS].pop(group.name, None)
         group.close()
         cause = failed.__cause__
-        detail = " ".join(str(cause).split())[:300]
-        raise BadRequest("group_name", f"{failed} ({type(cause).__name__}: {detail}); left the group", 502) from None
+        detail = f" ({type(cause).__name__}: {' '.join(str(cause).split())[:300]})" if cause is not None else ""
+        raise BadRequest("group_name", f"{failed}{detail}; left the group", 502) from None
     except WeightUpdateError as exc:
         raise _refused_update(exc, adapter_field="lora_config", tensors_field="names") from None
     return web.json_response({"success": True, "message": f"Updated {count} tensors of {module}.", "num_tensors": count})

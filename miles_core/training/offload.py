@@ -205,7 +205,16 @@ class TurnTaking:
     async def _set_trainer(self, resident: bool) -> None:
         if self.trainer is None or self._trainer_off == (not resident):
             return
-        await asyncio.to_thread(self.trainer.reload if resident else self.trainer.offload)
+        move = asyncio.ensure_future(asyncio.to_thread(self.trainer.reload if resident else self.trainer.offload))
+        try:
+            await asyncio.shield(move)
+        except asyncio.CancelledError:
+            # The thread goes on when the run is cancelled (Ctrl-C): wait for it, so that
+            # the flag says where the state is when the run's checkpoint on failure reads it.
+            await asyncio.wait([move])
+            if not move.cancelled() and move.exception() is None:
+                self._trainer_off = not resident
+            raise
         self._trainer_off = not resident
 
     async def _set_engine(self, resident: bool) -> None:

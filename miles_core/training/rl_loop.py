@@ -174,12 +174,14 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
             )
         if trains:
             unit = "micro-batch" if run.loss_spec.trains_on == "sde_transitions" else "step"
+            run.settled = None  # mid-step the trainer holds no rollout's end state: nothing to checkpoint
             with progress.training(trainer, f"train {rollout_id + 1}/{total}", unit):
                 metrics.update(trainer.train_rollout(train_samples, advantages, lr_at))
             if config.save_debug_train_data:
                 save_train_data(
                     config.save_debug_train_data, rollout_id, train_samples, train_rewards, advantages, trainer.last_pairs, metrics
                 )
+        run.settled = rollout_id  # trained (or nothing to train): the trainer holds this rollout's end state
         trained = time.perf_counter()
         await turn("sync")  # the engine resumes (and takes the weights) before the next generation
         if remote:

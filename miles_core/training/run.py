@@ -206,11 +206,13 @@ async def train(
     """Run the training loop; return the run directory. ``cluster``, ``engine_factory``
     and ``on_phase``: see :func:`prepare_run`."""
     from miles_core.config.document import config_document
+    from miles_core.training.checkpoint_on_failure import FailureCheckpoint
     from miles_core.training.ci_check import check_ci_metric
     from miles_core.training.metrics_logging import metrics_logger
 
     run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
     out = run.out
+    on_failure = FailureCheckpoint(run)
     first: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
     with (out / "metrics.jsonl").open("a", encoding="utf-8") as metrics_file:
@@ -227,13 +229,21 @@ async def train(
                 log(rollout_line(metrics, run.total))
                 rollout_id = metrics["rollout_id"]
                 last = rollout_id + 1 == run.total
-                if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
+                save = bool(config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)))
+                if save:
                     if run.turns is not None:  # --offload-train: the trainer's state comes back for the save
                         await run.turns.enter("checkpoint")
                     save_run_state(config, run.trainer, rollout_id, run.data_source, run.schedule, resumed_from=run.resumed_from)
+                on_failure.recorded_rollout(rollout_id, saved=save)
             failed = False
-        except EngineRequestError as exc:  # an engine died or refused: one line naming its URL
-            raise RunFailedError(f"rollout engine failed: {' '.join(str(exc).split())}") from None
+        except BaseException as exc:
+            # An engine, the router, a reward worker, a weight-update group or the cluster
+            # failed, or the user stopped the run: keep a checkpoint of the last rollout the
+            # trainer holds exactly (checkpoint_on_failure says which), before the servers stop.
+            await on_failure.keep(exc)
+            if isinstance(exc, EngineRequestError):  # an engine died or refused: one line naming its URL
+                raise RunFailedError(f"rollout engine failed: {' '.join(str(exc).split())}") from None
+            raise
         finally:
             await run.close()
             if logger is not None:

@@ -60,6 +60,16 @@ class RunContext:
     the RL loop enters, once its turn is taken, with this process's memory audit there
     (a :class:`~miles_core.memory.MemoryReport`, :func:`~miles_core.training.offload.run_memory_report`)."""
     log: Callable[[str], None] = print
+    settled: int | None = None
+    """The last rollout whose end state the trainer holds: its train phase is over (its
+    optimizer steps applied, or none to apply). None while a rollout's optimizer steps
+    run (the trainer then holds no rollout's end state). The loops set it; a run that fails
+    checkpoints this rollout (:mod:`~miles_core.training.checkpoint_on_failure`). Starts at
+    ``start - 1``."""
+
+    def __post_init__(self) -> None:
+        if self.settled is None:
+            self.settled = self.start - 1
 
     async def close(self) -> None:
         from miles_core.training.weight_sync import close_weight_groups

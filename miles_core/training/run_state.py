@@ -88,8 +88,7 @@ def _load_sharded(config: Config, trainer: Any, checkpoint: Any) -> None:
         raise RunError(f"--load {checkpoint.path}: {exc}") from None
 
 
-def _save_sharded(config: Config, trainer: Any, rollout_id: int, extra: dict[str, Any]) -> None:
-    from miles_core.training.checkpoint import capture_rng
+def _save_sharded(config: Config, trainer: Any, rollout_id: int, extra: dict[str, Any], rng_state: dict[str, Any]) -> None:
     from miles_core.training.sharded_checkpoint import save_sharded_checkpoint, write_shards
 
     optimizer = not config.no_save_optim
@@ -98,7 +97,7 @@ def _save_sharded(config: Config, trainer: Any, rollout_id: int, extra: dict[str
     def write(directory: Path) -> Any:
         return save(directory, optimizer=optimizer) if callable(save) else write_shards(trainer, directory, optimizer=optimizer)
 
-    save_sharded_checkpoint(Path(config.save), rollout_id, write, rng_state=capture_rng(), extra=extra)
+    save_sharded_checkpoint(Path(config.save), rollout_id, write, rng_state=rng_state, extra=extra)
 
 
 def save_run_state(
@@ -109,10 +108,13 @@ def save_run_state(
     schedule: Any = None,
     *,
     resumed_from: int | None = None,
+    rng_state: dict[str, Any] | None = None,
 ) -> None:
     """Save checkpoint ``rollout_id`` under ``--save`` (sharded for full fine-tuning on
     several ranks), then apply ``--save-keep-last``, never deleting ``resumed_from`` (the
-    checkpoint this run was restored from, when ``--load`` is the same directory)."""
+    checkpoint this run was restored from, when ``--load`` is the same directory).
+    ``rng_state``: this process's RNG streams as :func:`~.checkpoint.capture_rng` took
+    them earlier (default: captured now)."""
     from miles_core.training.checkpoint import capture_rng, rotate_checkpoints, save_checkpoint, trainer_optimizer_state
     from miles_core.training.lr_schedule import SCHEDULE_KEY, schedule_state
     from miles_core.training.sharded_checkpoint import uses_sharded_checkpoints
@@ -131,15 +133,16 @@ def save_run_state(
     if rank_rng is not None:  # training ranks on Ray: each one's RNG, restored at the same world size
         extra["rank_rng"] = rank_rng()
     extra = {"optimizer_steps": trainer.optimizer_steps, "use_lora": bool(config.use_lora), "loss_type": config.loss_type, **extra}
+    rng_state = capture_rng() if rng_state is None else rng_state
     if uses_sharded_checkpoints(config):
-        _save_sharded(config, trainer, rollout_id, extra)  # the EMA is sharded with the weights
+        _save_sharded(config, trainer, rollout_id, extra, rng_state)  # the EMA is sharded with the weights
     else:
         save_checkpoint(
             Path(config.save),
             rollout_id,
             model_state=trainer.trainable_state(),
             optimizer_state=None if config.no_save_optim else trainer_optimizer_state(trainer),
-            rng_state=capture_rng(),
+            rng_state=rng_state,
             extra={**extra, **({"ema": trainer.ema.state_dict()} if trainer.ema is not None else {})},
         )
     keep = getattr(config, "save_keep_last", None)

@@ -124,7 +124,9 @@ async def sft_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], t
     for rollout_id in range(run.start, run.total):
         began = time.perf_counter()
         metrics: dict[str, Any] = {"rollout_id": rollout_id}
+        run.settled = None  # mid-step the trainer holds no rollout's end state: nothing to checkpoint
         with progress.training(trainer, f"train {rollout_id + 1}/{run.total}", "step"):
             metrics.update(trainer.train_sft(source.batch(rollout_id), params, run.schedule.lr_at))
+        run.settled = rollout_id
         metrics["perf/train_time"] = metrics["perf/step_time"] = time.perf_counter() - began
         yield metrics, ()
