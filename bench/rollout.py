@@ -88,7 +88,9 @@ async def http_group(url: str, requests) -> None:
 
 
 def start_server(checkpoint: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No key: the bench's client sends none (a MILES_API_KEY exported in the shell would
+    # otherwise make the server refuse it).
+    env = {**{k: v for k, v in os.environ.items() if k != "MILES_API_KEY"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [
             sys.executable,

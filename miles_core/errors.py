@@ -86,6 +86,11 @@ class PlacementError(InputError, ValueError):
     """Cluster flags that describe an impossible placement."""
 
 
+class ApiKeyError(InputError, ValueError):
+    """An API key that cannot be used: empty, holding whitespace, or in a key file that
+    cannot be read."""
+
+
 # -- data, requests and the wire ------------------------------------------------------
 
 

@@ -6,6 +6,9 @@ os.environ.setdefault("MILES_STRICT_PLUGINS", "1")
 # the two-node cluster of tests/ray_nodes.py must agree whichever starts first. They
 # listen on this machine only.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# A key exported in the shell would make every in-process server require it (serve-engine
+# and the router read it at start-up): the tests give keys explicitly.
+os.environ.pop("MILES_API_KEY", None)
 
 import torch
 

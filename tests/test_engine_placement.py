@@ -30,7 +30,7 @@ from miles_core.config.resolve import resolve_config
 from miles_core.engine.sglang import engine_device_args
 from miles_core.errors import ConfigError, PlacementError, SglangEngineError
 from miles_core.training.run_engine import start_fleet
-from tests.sglang_stand_in import build_stand_in_sglang
+from tests.sglang_stand_in import build_stand_in_sglang, children
 from tests.tiny_runs import tiny_run_args
 
 RAY_CPUS = 6
@@ -86,8 +86,13 @@ def test_sglang_engines_hold_their_bundles_on_one_node_and_restart_in_them(tiny_
             assert place.device_ids == ()  # CPUs stand in: no GPU ids, no CUDA_VISIBLE_DEVICES
             # Read back from the server process's own environment.
             assert place.env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-            argv = json.loads(Path(f"{record}.{place.pid}").read_text())
-            assert argv[argv.index("--host") + 1] == ip and argv[argv.index("--num-gpus") + 1] == "2"
+            # The run's secret puts each server behind an authenticating proxy (place.pid, on
+            # the node's address); sglang itself listens on loopback.
+            proxy = Path(f"/proc/{place.pid}/cmdline").read_bytes().decode().split("\0")
+            assert proxy[proxy.index("--host") + 1] == ip
+            (server,) = children(place.pid)
+            argv = json.loads(Path(f"{record}.{server}").read_text())
+            assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--num-gpus") + 1] == "2"
         # Every bundle of both engines is held (the second by its holder); the training one is not.
         assert all(_held(runtime, bundle) for bundles in runtime.plan.engines for bundle in bundles)
         assert not _held(runtime, 0)

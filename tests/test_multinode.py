@@ -86,13 +86,13 @@ class Observed:
         """Wrap the real session methods and decoder with ``patch`` to record into this."""
         engine_fleet, poster, unpack = RaySession.engine_fleet, RaySession.poster, http_engine.unpack_outputs
 
-        def recording_fleet(session: RaySession, log_dir: Any) -> Any:
-            fleet = engine_fleet(session, log_dir)
+        def recording_fleet(session: RaySession, log_dir: Any, **kw: Any) -> Any:
+            fleet = engine_fleet(session, log_dir, **kw)
             self.seen_fleet(fleet)
             return fleet
 
-        def recording_poster(session: RaySession, fleet: Any) -> Any:
-            self.posters.append(poster(session, fleet))
+        def recording_poster(session: RaySession, fleet: Any, **kw: Any) -> Any:
+            self.posters.append(poster(session, fleet, **kw))
             return self.posters[-1]
 
         def counting_unpack(raw: Any) -> Any:

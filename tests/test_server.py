@@ -135,9 +135,11 @@ def reference(tiny_dir) -> EmbeddedEngine:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
+def served(tiny_dir, tmp_path_factory):
     engine = EmbeddedEngine.from_checkpoint(tiny_dir, "sd3")
-    server = ServerThread(create_app(engine, update_weight_buffer_size=1 << 20))
+    # Disk loads come from the checkpoint and the tests' own folders, all under the base temp.
+    roots = [tmp_path_factory.getbasetemp()]
+    server = ServerThread(create_app(engine, update_weight_buffer_size=1 << 20, allowed_weight_roots=roots))
     wait_healthy(server.url)
     yield server.url, engine
     server.close()

@@ -316,6 +316,15 @@ def test_sglang_timesteps_become_the_loop_grid():
 # -- fault tolerance and the request timeout ---------------------------------------------------
 
 
+def server_of(proxy: int) -> tuple[int, list[str]]:
+    """The sglang server behind the authenticating proxy ``proxy`` (its one child) and the
+    proxy's command line."""
+    from tests.sglang_stand_in import children
+
+    (server,) = children(proxy)
+    return server, Path(f"/proc/{proxy}/cmdline").read_bytes().decode().split("\0")
+
+
 def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
     """A 2-server fault-tolerant ``--rollout-engine sglang`` run of two rollouts (4
     microgroups each, two per server); with ``kill``, server 0 gets SIGKILL as soon as a
@@ -342,10 +351,12 @@ def _sglang_run(tiny_sd3, prompts, python, out: Path, *, kill: bool) -> dict:
             seen["engines"].append(self)
         if kill and seen["generates"] > 4:  # rollout 1 waits for the restarted server
             await poll(lambda: self.supervisor.state[0] == HEALTHY, "sglang server 0 restarted")
+            if "new_server" not in seen:  # the run's secret puts each server behind its proxy (processes[0])
+                seen["new_server"] = server_of(self.processes[0].pid)
         outputs = await original_generate(self, request)
         if kill and seen["killed_pid"] is None and self.in_flight[0]:
             process = self.processes[0]
-            seen.update(killed_pid=process.pid, killed_url=self.urls[0], killed_at=len(seen["posts"]))
+            seen.update(killed_pid=process.pid, killed_url=self.urls[0], killed_at=len(seen["posts"]), killed_server=server_of(process.pid))
             os.kill(process.pid, signal.SIGKILL)
         return outputs
 
@@ -402,11 +413,16 @@ def test_a_killed_sglang_server_is_restarted_resynced_from_disk_and_the_run_is_u
     assert engine.log_paths[0] == logs / "engine-0.restart1.log"
     assert f"on {new_url}" in (logs / "engine-0.restart1.log").read_text()
     assert f"on {disturbed['killed_url']}" in (logs / "engine-0.log").read_text()  # the old log is kept
-    old_argv = json.loads(Path(f"{record}.{disturbed['killed_pid']}").read_text())
-    new_argv = json.loads(Path(f"{record}.{new_pid}").read_text())
+    # Each server sits behind its authenticating proxy (the process the engine holds, on the
+    # URL's port); sglang itself got the same command line but for its loopback port.
+    (old_server, old_proxy), (new_server, new_proxy) = disturbed["killed_server"], disturbed["new_server"]
+    old_argv = json.loads(Path(f"{record}.{old_server}").read_text())
+    new_argv = json.loads(Path(f"{record}.{new_server}").read_text())
     port = old_argv.index("--port") + 1
     assert new_argv[:port] + new_argv[port + 1 :] == old_argv[:port] + old_argv[port + 1 :]
-    assert new_argv[port] == new_url.rsplit(":", 1)[1]
+    assert new_argv[port] != old_argv[port] and new_argv[new_argv.index("--host") + 1] == "127.0.0.1"
+    assert new_proxy[new_proxy.index("--port") + 1] == new_url.rsplit(":", 1)[1]
+    assert old_proxy[old_proxy.index("--port") + 1] == disturbed["killed_url"].rsplit(":", 1)[1]
     assert all(p.poll() is not None for p in engine.processes)  # stopped with the run
 
     # Before its first request it loaded the trainer's current weights from its own sync

@@ -264,9 +264,9 @@ def test_a_run_synced_through_the_group_has_the_metrics_of_the_http_run(fleet, t
     opened: list[tuple[str, ...]] = []
     original = weight_sync.group_sender
 
-    async def recording(urls, config):
+    async def recording(urls, config, **kw):
         opened.append(tuple(urls))
-        return await original(urls, config)
+        return await original(urls, config, **kw)
 
     monkeypatch.setattr(weight_sync, "group_sender", recording)
 

@@ -3,7 +3,12 @@ over engine servers registered with ``POST /add_worker?url=URL`` (or given with
 ``--worker-urls``), with health checks, a cap per engine, retries of unanswered requests on
 another engine, ``POST /remove_worker`` and ``GET /list_workers``. A run with
 ``--use-miles-router`` starts one itself. Binds 127.0.0.1 unless ``--host`` says
-otherwise; SIGTERM or SIGINT stops it. Loads no model and imports no torch."""
+otherwise; SIGTERM or SIGINT stops it. Loads no model and imports no torch.
+
+With a key (``--api-key``, else ``--api-key-file``, else the environment variable
+``MILES_API_KEY``) every route but ``GET /health`` requires ``Authorization: Bearer KEY``
+(else 401), and the router sends the key to the engines; without one it warns at start-up
+when it listens beyond loopback."""
 
 from __future__ import annotations
 
@@ -28,6 +33,17 @@ def build_parser(prog: str = "miles-core router") -> OneLineParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: 0, a free port)")
     parser.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="engine base URLs to register at start")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="the key clients must send and the engines require; a command line shows in ps to every user of the "
+        "machine, so prefer MILES_API_KEY or --api-key-file",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a file holding the key, readable by its owner only (chmod 600; a looser one is used with a warning)",
+    )
     for name in ROUTER_FLAGS:
         flag = _reference(name)
         kind = {"int": int, "float": float}[flag.type]
@@ -39,11 +55,17 @@ def build_parser(prog: str = "miles-core router") -> OneLineParser:
 
 def parse_args(argv: Sequence[str], prog: str = "miles-core router") -> argparse.Namespace:
     """The checked arguments; a bad one exits with status 2 and a one-line error."""
+    from miles_core.engine.auth import resolve_api_key
     from miles_core.engine.health import FaultTolerance
     from miles_core.engine.router import RouterSettings
+    from miles_core.errors import ApiKeyError
 
     parser = build_parser(prog)
     args = parser.parse_args(list(argv))
+    try:
+        args.api_key = resolve_api_key(args.api_key, args.api_key_file, warn=_warn)
+    except ApiKeyError as exc:
+        parser.error(str(exc))
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port}: must be in [0, 65535]")
     for url in args.worker_urls:
@@ -65,6 +87,12 @@ def parse_args(argv: Sequence[str], prog: str = "miles-core router") -> argparse
     except ValueError as exc:
         parser.error(_flag_message(str(exc)))
     return args
+
+
+def _warn(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def _flag_message(message: str) -> str:
@@ -93,9 +121,13 @@ def run(argv: Sequence[str], prog: str = "miles-core router") -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from miles_core.engine.auth import open_server_warning
     from miles_core.engine.router import Router, serve
 
-    router = Router(args.settings)
+    warning = open_server_warning("miles-core router", args.host, args.api_key)
+    if warning is not None:
+        _warn(warning)
+    router = Router(args.settings, api_key=args.api_key)
     for url in args.worker_urls:
         router.add(url.rstrip("/"))
     stop = asyncio.Event()

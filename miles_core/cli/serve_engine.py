@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from miles_core.cli.model_options import add_model_options, device_and_dtype, family_name
 from miles_core.config.parser import OneLineParser
+from miles_core.engine.auth import API_KEY_ENV, open_server_warning, resolve_api_key
 from miles_core.engine.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_OUTPUTS,
@@ -24,6 +26,8 @@ from miles_core.engine.limits import (
     WORK_STEPS,
 )
 from miles_core.engine.limits import FLAGS as LIMIT_FLAGS
+from miles_core.engine.weight_roots import resolve_roots
+from miles_core.errors import ApiKeyError, ConfigError
 from miles_core.plugin_manager import get_host
 
 if TYPE_CHECKING:
@@ -55,6 +59,31 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
         help="take sglang-diffusion's /update_weights_from_tensor format (serialized_named_tensors: pickled "
         "CUDA-IPC handles) from loopback peers; unpickling runs its sender's code, so a run sets this only for "
         "an engine it places on its trainer's GPU (default: refused with 403)",
+    )
+    access = parser.add_argument_group(
+        "access",
+        "Who may drive the server (docs/engine.md, Authentication). With a key, every request but GET /health "
+        "must carry 'Authorization: Bearer KEY' (else 401). The key comes from --api-key, else --api-key-file, "
+        f"else the environment variable {API_KEY_ENV}; with none the server takes every request, and warns at "
+        "start-up when it listens beyond loopback.",
+    )
+    access.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"the key; a command line shows in ps to every user of the machine, so prefer {API_KEY_ENV} or --api-key-file",
+    )
+    access.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a file holding the key, readable by its owner only (chmod 600; a looser one is used with a warning)",
+    )
+    access.add_argument(
+        "--allowed-weight-roots",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="directories POST /update_weights_from_disk may load from (a path must lie under one, after its links "
+        "are resolved; else 403). Default: none, so disk loads are refused; a run passes its sync folders",
     )
     parser.add_argument(
         "--deterministic-mode",
@@ -108,12 +137,21 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
     return parser
 
 
-def parse_args(argv: Sequence[str], prog: str = "miles-core serve-engine") -> tuple[argparse.Namespace, str]:
+def parse_args(
+    argv: Sequence[str], prog: str = "miles-core serve-engine", environ: Mapping[str, str] | None = None
+) -> tuple[argparse.Namespace, str]:
     """The checked arguments and the model family to serve; a bad argument exits with
-    status 2 and a one-line error."""
+    status 2 and a one-line error. ``args.api_key`` becomes the key from whichever source
+    set it (``environ``: the process's environment by default), and
+    ``args.allowed_weight_roots`` the roots, checked and resolved."""
     registry = get_host().registries.model_family
     parser = build_parser(registry.names(), prog)
     args = parser.parse_args(list(argv))
+    try:
+        args.api_key = resolve_api_key(args.api_key, args.api_key_file, environ=environ, warn=_warn)
+        args.allowed_weight_roots = resolve_roots(args.allowed_weight_roots)
+    except (ApiKeyError, ConfigError) as exc:
+        parser.error(str(exc))
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port}: must be in [0, 65535]")
     if args.update_weight_buffer_size < 1:
@@ -129,8 +167,17 @@ def parse_args(argv: Sequence[str], prog: str = "miles-core serve-engine") -> tu
     return args, family
 
 
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
     args, family = parse_args(argv, prog)
+    # Read once; gone from the environment, so no process this one starts inherits it.
+    os.environ.pop(API_KEY_ENV, None)
+    warning = open_server_warning(prog, args.host, args.api_key)
+    if warning is not None:
+        _warn(warning)
     if args.deterministic_mode:  # before the model loads and before CUDA starts
         from types import SimpleNamespace
 
@@ -162,6 +209,8 @@ def build_app(args: argparse.Namespace, family: str, on_load_error: Callable[[Ba
         limits={name: getattr(args, name) for name in LIMIT_FLAGS},
         max_generate_body_bytes=args.max_generate_body_bytes,
         accept_ipc_weights=args.accept_ipc_weights,
+        api_key=args.api_key,
+        allowed_weight_roots=args.allowed_weight_roots,
     )
 
 

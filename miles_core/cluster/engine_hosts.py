@@ -7,7 +7,10 @@ The embedded engine (``--rollout-engine embedded``, the default) runs in an
 :class:`EmbeddedEngineHost` actor instead: the engine the run would embed, built from the
 run's configuration (its family loader and SDE backends), served in the actor by the
 same HTTP server (:mod:`miles_core.engine.server`). Either binds the node's address so
-the driver reaches it from another node. :class:`RayEngineFleet` has the interface of
+the driver reaches it from another node, and requires the run's secret of every request
+but ``GET /health``: a host gets it as a constructor argument (never through Ray's
+``runtime_env``, which Ray's state API shows) and hands it to its server's environment
+(``MILES_API_KEY``) or, for the embedded engine, to :func:`~miles_core.engine.server.create_app`. :class:`RayEngineFleet` has the interface of
 :class:`~miles_core.engine.fleet.EngineFleet` (``urls``, ``restart``, ``stop``): the run's
 HTTP client, weight sync and fault tolerance work on either.
 
@@ -115,10 +118,12 @@ class _ServerHost:
 class EngineHost(_ServerHost):
     """Made a Ray actor by :class:`RayEngineFleet`."""
 
-    def __init__(self, checkpoint: str, args: Sequence[str], log_path: str) -> None:
+    def __init__(self, checkpoint: str, args: Sequence[str], log_path: str, api_key: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.args = list(args)
         self.log_path = log_path
+        self.api_key = api_key
+        """The run's secret, which each server it starts (a restart's too) requires."""
         self.engine: Any = None
         self.env: dict[str, str] = {}
 
@@ -133,7 +138,14 @@ class EngineHost(_ServerHost):
         self.stop()
         args = [*self.args, "--device", model_device(), "--host", ray.util.get_node_ip_address()]
         self.engine = start_engine(
-            self.checkpoint, *args, log_path=self.log_path, timeout=timeout, healthy=True, threads=None, env=self.env
+            self.checkpoint,
+            *args,
+            log_path=self.log_path,
+            timeout=timeout,
+            healthy=True,
+            threads=None,
+            env=self.env,
+            api_key=self.api_key,
         )
         return self.engine.url
 
@@ -155,15 +167,31 @@ class SglangHost(_ServerHost):
     """One sglang-diffusion server of a ``--use-ray`` run (``--rollout-engine sglang``),
     made a Ray actor by :meth:`RayEngineFleet.start_sglang`: started on this node's address,
     with its bundles' devices, its log under ``work_dir/logs`` (a restart's in
-    ``engine-<i>.restart<k>.log``)."""
+    ``engine-<i>.restart<k>.log``). With ``api_key`` (the run's secret, kept in this actor
+    and given to the server's proxy in its environment) the node's address is an
+    authenticating proxy's and sglang listens on 127.0.0.1 behind it
+    (:func:`~miles_core.engine.sglang.spawn_server`); disk loads only from under the run's
+    sync folder ``work_dir/weight-sync`` and ``allowed_weight_roots``. A restart keeps both."""
 
-    def __init__(self, index: int, python: str, model_path: str, sglang_args: Sequence[str], work_dir: str, token: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        python: str,
+        model_path: str,
+        sglang_args: Sequence[str],
+        work_dir: str,
+        token: str,
+        api_key: str | None = None,
+        allowed_weight_roots: Sequence[str] = (),
+    ) -> None:
         self.index = index
         self.python = python
         self.model_path = model_path
         self.sglang_args = list(sglang_args)
         self.work_dir = Path(work_dir)
         self.token = token
+        self.api_key = api_key
+        self.allowed_weight_roots = list(allowed_weight_roots)
         self.engine: Any = None
         self.env: dict[str, str] = {}
         self.process: Any = None
@@ -194,8 +222,23 @@ class SglangHost(_ServerHost):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", **self.env}
         port = free_port(host)
+        roots: list[str] = []
+        if self.api_key is not None:  # SglangEngine's sync folder under work_dir (its re-syncs' are inside it)
+            sync_root = self.work_dir / "weight-sync"
+            sync_root.mkdir(parents=True, exist_ok=True)
+            roots = [str(sync_root), *self.allowed_weight_roots]
         try:
-            self.process = spawn_server(self.python, self.model_path, port, self.sglang_args, environment, log_path, host)
+            self.process = spawn_server(
+                self.python,
+                self.model_path,
+                port,
+                self.sglang_args,
+                environment,
+                log_path,
+                host,
+                api_key=self.api_key,
+                allowed_weight_roots=roots,
+            )
         except OSError as exc:
             raise SglangEngineError(f"sglang-diffusion engine {self.index} on node {host}: cannot start {self.python}: {exc}") from None
         url = f"http://{host}:{port}"
@@ -226,8 +269,10 @@ class EmbeddedEngineHost:
     :meth:`RayEngineFleet.start_embedded`): the engine is built in this process, as
     ``--rollout-engine embedded`` builds it, and served on a thread of its own."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, api_key: str | None = None) -> None:
         self.config = config
+        self.api_key = api_key
+        """The run's secret, which the server requires of every request but ``GET /health``."""
         self.server: Any = None
         self.engine: Any = None
         self._loop: Any = None
@@ -248,7 +293,7 @@ class EmbeddedEngineHost:
         self.stop()
         apply_deterministic_mode(self.config)  # as the one-process run does for its embedded engine
         self.engine = EmbeddedEngine.from_config(self.config)
-        app = create_app(self.engine, update_weight_buffer_size=self.config.update_weight_buffer_size)
+        app = create_app(self.engine, update_weight_buffer_size=self.config.update_weight_buffer_size, api_key=self.api_key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="embedded-engine-server", daemon=True)
         self._thread.start()
@@ -315,10 +360,10 @@ class RayEngineFleet:
         return list(self._urls)
 
     @classmethod
-    def start(cls, config: Any, runtime: Any, log_dir: str | Path) -> RayEngineFleet:
-        """Start the run's engines on the placement group's engine bundles; on a failure
-        the ones started are stopped and :class:`~miles_core.engine.fleet.FleetError`
-        names the failing server's log."""
+    def start(cls, config: Any, runtime: Any, log_dir: str | Path, *, api_key: str | None = None) -> RayEngineFleet:
+        """Start the run's engines on the placement group's engine bundles, each requiring
+        ``api_key`` (the run's secret); on a failure the ones started are stopped and
+        :class:`~miles_core.engine.fleet.FleetError` names the failing server's log."""
         import ray
 
         from miles_core.engine.fleet import serve_arguments
@@ -328,7 +373,7 @@ class RayEngineFleet:
         log_paths = [Path(log_dir) / f"engine_{index}.log" for index in range(len(runtime.plan.engines))]
 
         def spawn(index: int, options: dict[str, Any]) -> Any:
-            return actor.options(**options).remote(str(config.hf_checkpoint), args, str(log_paths[index]))
+            return actor.options(**options).remote(str(config.hf_checkpoint), args, str(log_paths[index]), api_key)
 
         return cls.place(runtime, spawn, log_paths)
 
@@ -370,13 +415,16 @@ class RayEngineFleet:
         return fleet
 
     @classmethod
-    def start_sglang(cls, config: Any, runtime: Any, work_dir: str | Path) -> RayEngineFleet:
+    def start_sglang(cls, config: Any, runtime: Any, work_dir: str | Path, *, api_key: str | None = None) -> RayEngineFleet:
         """The run's sglang-diffusion servers (``--rollout-engine sglang``), each on its
         engine's bundles with their devices (``--rollout-num-gpus-per-engine`` N passes
         ``--num-gpus N``, see :func:`~miles_core.engine.sglang.engine_device_args`), bound to
         its node's address. ``work_dir`` (the weight syncs', the logs') must be the same
         directory on every node the engines are on: a host that cannot read the driver's
-        probe file there refuses to start."""
+        probe file there refuses to start. Each server requires ``api_key`` (the run's secret)
+        and, with it, loads weights from disk only under ``work_dir/weight-sync``, where the
+        syncs and re-syncs of :class:`~miles_core.engine.sglang.SglangEngine` go (see
+        :class:`SglangHost`)."""
         import secrets
 
         import ray
@@ -394,15 +442,15 @@ class RayEngineFleet:
         model = str(Path(config.hf_checkpoint).absolute()) if Path(config.hf_checkpoint).exists() else str(config.hf_checkpoint)
 
         def spawn(index: int, options: dict[str, Any]) -> Any:
-            return actor.options(**options).remote(index, python, model, args, str(work_dir), token)
+            return actor.options(**options).remote(index, python, model, args, str(work_dir), token, api_key=api_key)
 
         log_paths = [work_dir / "logs" / f"engine-{index}.log" for index in range(len(runtime.plan.engines))]
         return cls.place(runtime, spawn, log_paths)
 
     @classmethod
-    def start_embedded(cls, config: Any, runtime: Any) -> RayEngineFleet:
+    def start_embedded(cls, config: Any, runtime: Any, *, api_key: str | None = None) -> RayEngineFleet:
         """The run's embedded engine on its actor, on the placement group's engine bundle
-        (a training device's share under ``--colocate``)."""
+        (a training device's share under ``--colocate``), requiring ``api_key``."""
         import ray
 
         actor = ray.remote(EmbeddedEngineHost)
@@ -410,7 +458,7 @@ class RayEngineFleet:
 
         def spawn(index: int, actor_options: dict[str, Any]) -> Any:
             options[index] = actor_options
-            return actor.options(**actor_options).remote(config)
+            return actor.options(**actor_options).remote(config, api_key)
 
         return cls.place(runtime, spawn, [], respawn=lambda index: spawn(index, options[index]))
 

@@ -36,9 +36,10 @@ _UNCAPPED = 1 << 20
 class PostActor:
     """Made a Ray actor (async) by :class:`DistributedPoster`, one of a node's."""
 
-    def __init__(self, decode_workers: int, connect_timeout: float) -> None:
+    def __init__(self, decode_workers: int, connect_timeout: float, api_key: str | None = None) -> None:
         self.decode_workers = decode_workers
         self.connect_timeout = connect_timeout
+        self.api_key = api_key  # the engines' key (a constructor argument, never the actor's runtime_env)
         self.clients: dict[tuple[str, float | None], Any] = {}
         self.posted: collections.Counter[str] = collections.Counter()
         """Requests this actor posted, by engine URL."""
@@ -54,6 +55,7 @@ class PostActor:
                 request_timeout=timeout,
                 connect_timeout=self.connect_timeout,
                 decode_workers=self.decode_workers,
+                api_key=self.api_key,
             )
             self.clients[(url, timeout)] = client
         self.posted[url] += 1
@@ -90,6 +92,7 @@ class DistributedPoster:
         env_vars: dict[str, str] | None = None,
         decode_workers: int = 1,
         connect_timeout: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
         import ray
 
@@ -101,6 +104,8 @@ class DistributedPoster:
         self.per_node = per_node
         self.decode_workers = decode_workers
         self.connect_timeout = connect_timeout
+        self.api_key = api_key
+        """The engines' key, which the actors' requests carry (None: none)."""
         self.actors: dict[str, list[Any]] = {}
         """The post actors, by node id."""
         self._turn: dict[str, itertools.count] = {}
@@ -108,13 +113,15 @@ class DistributedPoster:
         """What each actor posted (:meth:`PostActor.report`), filled by :meth:`close`."""
 
     @classmethod
-    def start(cls, config: Any, runtime: Any, fleet: Any) -> DistributedPoster:
-        """The post actors of ``fleet``'s nodes, started and answering."""
+    def start(cls, config: Any, runtime: Any, fleet: Any, *, api_key: str | None = None) -> DistributedPoster:
+        """The post actors of ``fleet``'s nodes, started and answering; their requests carry
+        ``api_key`` (the engines' key)."""
         poster = cls(
             lambda: {placement.url: placement.node_id for placement in fleet.placements()},
             per_node=post_actors_per_node(),
             env_vars=runtime.env_vars,
             decode_workers=config.rollout_parser_num_workers or 1,
+            api_key=api_key,
         )
         return poster.ready()
 
@@ -139,7 +146,7 @@ class DistributedPoster:
         }
         if self.env_vars:
             options["runtime_env"] = {"env_vars": self.env_vars}
-        return self._ray.remote(PostActor).options(**options).remote(self.decode_workers, self.connect_timeout)
+        return self._ray.remote(PostActor).options(**options).remote(self.decode_workers, self.connect_timeout, self.api_key)
 
     def _actors(self, node: str) -> list[Any]:
         actors = self.actors.get(node)

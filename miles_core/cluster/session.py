@@ -43,24 +43,26 @@ class RaySession:
             self._closers.append(self.scorer.close)
         return self.scorer
 
-    def engine_fleet(self, log_dir: Any) -> Any:
+    def engine_fleet(self, log_dir: Any, *, api_key: str | None = None) -> Any:
         """The engine servers the run starts, on their bundles (the embedded engine on an
-        actor of its own under ``--rollout-engine embedded``): a
+        actor of its own under ``--rollout-engine embedded``), each requiring ``api_key``
+        (the run's secret) of every request: a
         :class:`~miles_core.cluster.engine_hosts.RayEngineFleet` (the run stops it)."""
         from miles_core.cluster.engine_hosts import RayEngineFleet
 
         if self.config.rollout_engine == "embedded":
-            return RayEngineFleet.start_embedded(self.config, self.runtime)
+            return RayEngineFleet.start_embedded(self.config, self.runtime, api_key=api_key)
         if self.config.rollout_engine == "sglang":  # its work directory (weight syncs, logs) is log_dir
-            return RayEngineFleet.start_sglang(self.config, self.runtime, log_dir)
-        return RayEngineFleet.start(self.config, self.runtime, log_dir)
+            return RayEngineFleet.start_sglang(self.config, self.runtime, log_dir, api_key=api_key)
+        return RayEngineFleet.start(self.config, self.runtime, log_dir, api_key=api_key)
 
-    def poster(self, fleet: Any) -> Any:
+    def poster(self, fleet: Any, *, api_key: str | None = None) -> Any:
         """``--use-distributed-post``: the post actors on ``fleet``'s nodes, a
-        :class:`~miles_core.cluster.post_actors.DistributedPoster` (stopped with the session)."""
+        :class:`~miles_core.cluster.post_actors.DistributedPoster` (stopped with the session);
+        their requests carry ``api_key``."""
         from miles_core.cluster.post_actors import DistributedPoster
 
-        poster = DistributedPoster.start(self.config, self.runtime, fleet)
+        poster = DistributedPoster.start(self.config, self.runtime, fleet, api_key=api_key)
         self._closers.append(poster.close)
         return poster
 

@@ -103,18 +103,26 @@ class TrainRank:
 
     # Gathers and loads: collectives, called on every rank together; rank 0 answers.
 
-    def send_weights(self, urls: list[str], lora_only: bool, ema: bool, path: str) -> dict[str, Any] | None:
+    def send_weights(self, urls: list[str], lora_only: bool, ema: bool, path: str, api_key: str | None = None) -> dict[str, Any] | None:
         """Weight sync to the engine servers ``urls``: every rank gathers, rank 0 posts the
         buckets (:func:`~miles_core.training.weight_sync.send_from_rank`); ``ema``: the
         EMA weights are swapped in meanwhile (``--ema-rollout-policy ema``); ``path``: the
-        driver's :meth:`RayTrainer.sync_path`."""
+        driver's :meth:`RayTrainer.sync_path`; ``api_key``: the servers' key (an argument of
+        each call, kept nowhere on the rank)."""
         from miles_core.training.weight_sync import send_from_rank
 
         trainer = self.trainer
         policy = trainer.ema.swap_into(trainer.named_trainable()) if ema else nullcontext()
         with policy:
             answer = send_from_rank(
-                trainer.modules, trainer.engine_dtypes, urls, self.config, lora_only=lora_only, sends=self.rank == 0, path=path
+                trainer.modules,
+                trainer.engine_dtypes,
+                urls,
+                self.config,
+                lora_only=lora_only,
+                sends=self.rank == 0,
+                path=path,
+                api_key=api_key,
             )
         return answer if self.rank == 0 else None
 
@@ -320,9 +328,10 @@ class RayTrainer:
         began = time.perf_counter()
         lora_only = sync_lora_only(self.config)
         supervisor = getattr(engine, "supervisor", None)
+        api_key = getattr(engine, "api_key", None)  # the engine servers' key, which rank 0's requests carry
         while True:
             urls = engine.weight_urls()
-            answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema, self.sync_path))[0]
+            answer = (await asyncio.to_thread(self._on_ranks, "send_weights", urls, lora_only, ema, self.sync_path, api_key))[0]
             if answer.get("failure"):  # --weight-sync-path distributed: the group could not be made or used
                 message, exit_code = answer["failure"]
                 raise WeightGroupError(message, startup=exit_code == 2)

@@ -20,7 +20,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-SECRET_FLAGS = ("wandb_key",)
+SECRET_FLAGS = ("wandb_key", "api_key")
 """Values never written out (config.yaml, ``miles-core config``, W&B)."""
 
 

@@ -478,6 +478,32 @@ _TABLE: tuple[Flag, ...] = (
     ),
     _f(
         "rollout",
+        "--api-key",
+        "str",
+        None,
+        "Not in the reference. The key of engine servers started by hand (--rollout-engine-urls, each started with the same "
+        "key): every request but GET /health carries 'Authorization: Bearer KEY', and a server that answers 401 stops the "
+        "run at start-up. A command line shows in ps, so prefer --api-key-file or the MILES_API_KEY environment variable "
+        "(read when neither flag is set); redacted in config.yaml and W&B's config, but W&B's run metadata records the "
+        "command line, and with it this key. Servers the run starts get a fresh secret "
+        "of the run instead.",
+        metavar="KEY",
+        reference_default="(no such flag)",
+        differs="Added with --rollout-engine-urls: the reference's engine servers take no key.",
+    ),
+    _f(
+        "rollout",
+        "--api-key-file",
+        "str",
+        None,
+        "Not in the reference. A file holding --api-key's key, readable by its owner only (chmod 600; a looser one is used "
+        "with a warning).",
+        metavar="PATH",
+        reference_default="(no such flag)",
+        differs="Added with --api-key.",
+    ),
+    _f(
+        "rollout",
         "--rollout-num-engines",
         "int",
         None,

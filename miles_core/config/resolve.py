@@ -16,6 +16,7 @@ from typing import Any
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
 from miles_core.config.config_file import load_config_file
 from miles_core.config.distributed_post import distributed_post_errors
+from miles_core.config.document import SECRET_FLAGS
 from miles_core.config.fsdp_offload import fsdp_offload_errors
 from miles_core.config.model import Component, Config, Source
 from miles_core.config.parser import flag_entries, parse_command_line
@@ -65,9 +66,9 @@ def resolve_config(
     if config.custom_config_path:
         for dest, value in load_config_file(config.custom_config_path, entries).items():
             if config.source(dest) is Source.COMMAND_LINE and config.get(dest) != value:
+                was, now = ("<redacted>", "<redacted>") if dest in SECRET_FLAGS else (repr(config.get(dest)), repr(value))
                 config.notes.append(
-                    f"{config.custom_config_path}: key {dest!r} overrides {entries[dest].flag.name} "
-                    f"{config.get(dest)!r} from the command line with {value!r}"
+                    f"{config.custom_config_path}: key {dest!r} overrides {entries[dest].flag.name} {was} from the command line with {now}"
                 )
             config.set(dest, value, Source.CONFIG_FILE)
     _Resolver(config, host).run(scope)
@@ -576,6 +577,14 @@ class _Resolver:
         for url in (urls or "").split(","):
             if urls and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
                 self.fail(f"--rollout-engine-urls: {url!r} is not an http:// or https:// base URL")
+        if v("api_key") is not None and v("api_key_file") is not None:
+            self.fail("--api-key and --api-key-file are mutually exclusive: give the key one way")
+        keys = " and ".join(flag for flag, dest in (("--api-key", "api_key"), ("--api-key-file", "api_key_file")) if v(dest) is not None)
+        if keys and not urls:
+            self.fail(
+                f"{keys}: the key of engine servers started by hand goes with --rollout-engine-urls; the servers a run starts "
+                "get a fresh secret of the run"
+            )
         if v("use_miles_router") and (v("rollout_engine") != "http" or urls or engines is None):
             self.fail(
                 "--use-miles-router routes the engine servers the run starts: it needs --rollout-engine http "

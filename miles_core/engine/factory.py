@@ -7,15 +7,16 @@ from typing import Any
 from miles_core.engine.base import RolloutEngine
 
 
-def create_engine(config: Any) -> RolloutEngine:
+def create_engine(config: Any, **options: Any) -> RolloutEngine:
     """The registered engine named by ``config.rollout_engine``, built with its
-    ``from_config``."""
+    ``from_config`` (``options`` passed on: a run gives an engine that starts its own
+    servers the run's secret as ``api_key``)."""
     from miles_core.plugin_manager import get_host
 
     engine_cls = get_host().registries.rollout_engine.get(config.rollout_engine).load()
     if not (isinstance(engine_cls, type) and issubclass(engine_cls, RolloutEngine)):
         raise TypeError(f"rollout engine {config.rollout_engine!r} is not a RolloutEngine subclass: {engine_cls!r}")
-    return engine_cls.from_config(config)
+    return engine_cls.from_config(config, **options)
 
 
 def sde_backend(config: Any) -> Any:

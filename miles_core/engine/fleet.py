@@ -5,6 +5,13 @@ listens; :class:`EngineFleet` starts several at once, waits until each answers
 ``GET /health`` with 200, restarts one that died or hung (``--use-fault-tolerance``), and
 stops them all (SIGTERM, then SIGKILL after a timeout).
 
+A fleet started with an ``api_key`` (a run's, :func:`~miles_core.engine.auth.new_secret`)
+gives it to each server, a restarted one too, in that process's environment only
+(``MILES_API_KEY``), never on its command line; a server started without one gets no
+``MILES_API_KEY`` at all, whatever this process's environment holds. The servers get no
+``--allowed-weight-roots``: a run syncs serve-engines over HTTP or a weight-update group,
+never from disk, so their ``/update_weights_from_disk`` refuses every directory.
+
 Failures are :class:`FleetError` with a one-line message naming the engine's log file.
 Nothing here imports torch.
 """
@@ -23,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_core.engine.auth import API_KEY_ENV
 from miles_core.errors import FleetError
 
 
@@ -81,17 +89,27 @@ class ServedEngine:
 
 
 def launch_engine(
-    checkpoint: str | Path, *args: str, log_path: str | Path, threads: int | None = 1, env: Mapping[str, str] | None = None
+    checkpoint: str | Path,
+    *args: str,
+    log_path: str | Path,
+    threads: int | None = 1,
+    env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> ServedEngine:
     """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` (stderr to
     ``log_path``; ``threads``: its torch threads, None to leave them alone; ``env``: set
-    over this process's environment, e.g. the devices of a Ray engine's bundles); does not wait."""
+    over this process's environment, e.g. the devices of a Ray engine's bundles;
+    ``api_key``: the key it requires, in its ``MILES_API_KEY``, which is otherwise taken
+    from ``env`` only); does not wait."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     extra_env, env = env, dict(os.environ)
+    env.pop(API_KEY_ENV, None)  # the server's key is the one given, not one this process happens to hold
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.update(extra_env or {})
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint), "--port", "0", *args],
@@ -129,11 +147,12 @@ def start_engine(
     healthy: bool = False,
     threads: int | None = 1,
     env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> ServedEngine:
     """:func:`launch_engine`, then wait (at most ``timeout`` s) until it listens (and with
     ``healthy``, until its model is loaded); on failure it is killed and
     :class:`FleetError` names its log."""
-    engine = launch_engine(checkpoint, *args, log_path=log_path, threads=threads, env=env)
+    engine = launch_engine(checkpoint, *args, log_path=log_path, threads=threads, env=env, api_key=api_key)
     try:
         wait_for([engine], timeout, healthy=healthy)
     except BaseException:
@@ -182,6 +201,7 @@ class EngineFleet:
         args: Sequence[str] = (),
         log_dir: str | Path | None = None,
         threads: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.engines = list(engines)
         # How the engines were launched, so that restart() can launch one again.
@@ -189,6 +209,8 @@ class EngineFleet:
         self.args = list(args)
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.threads = threads
+        self.api_key = api_key
+        """The key every engine (a restarted one too) requires; None: none."""
         self.restarts = [0] * len(self.engines)
         self._lock = threading.Lock()
         self._stopped = False
@@ -199,16 +221,25 @@ class EngineFleet:
 
     @classmethod
     def start(
-        cls, checkpoint: str | Path, count: int, log_dir: str | Path, *args: str, timeout: float = 300.0, threads: int | None = None
+        cls,
+        checkpoint: str | Path,
+        count: int,
+        log_dir: str | Path,
+        *args: str,
+        timeout: float = 300.0,
+        threads: int | None = None,
+        api_key: str | None = None,
     ) -> EngineFleet:
-        """Start ``count`` engines (logs ``log_dir/engine_<i>.log``) and wait until all are
-        healthy; on any failure, stop those started and raise :class:`FleetError`."""
+        """Start ``count`` engines (logs ``log_dir/engine_<i>.log``), each requiring
+        ``api_key`` when given, and wait until all are healthy; on any failure, stop those
+        started and raise :class:`FleetError`."""
         if count < 1:
             raise ValueError(f"an engine fleet needs at least one engine, got {count}")
-        fleet = cls([], checkpoint=checkpoint, args=args, log_dir=log_dir, threads=threads)
+        fleet = cls([], checkpoint=checkpoint, args=args, log_dir=log_dir, threads=threads, api_key=api_key)
         try:
             for index in range(count):
-                fleet.engines.append(launch_engine(checkpoint, *args, log_path=Path(log_dir) / f"engine_{index}.log", threads=threads))
+                log_path = Path(log_dir) / f"engine_{index}.log"
+                fleet.engines.append(launch_engine(checkpoint, *args, log_path=log_path, threads=threads, api_key=api_key))
             fleet.restarts = [0] * count
             wait_for(fleet.engines, timeout, healthy=True)
         except BaseException:
@@ -217,17 +248,18 @@ class EngineFleet:
         return fleet
 
     @classmethod
-    def from_config(cls, config: Any, log_dir: str | Path) -> EngineFleet:
+    def from_config(cls, config: Any, log_dir: str | Path, *, api_key: str | None = None) -> EngineFleet:
         """The run's fleet: ``--rollout-num-engines`` servers of ``--hf-checkpoint`` with the
-        run's family, dtype and weight-update bucket size, on this machine's device."""
+        run's family, dtype and weight-update bucket size, on this machine's device,
+        requiring ``api_key`` (the run's secret)."""
         from miles_core.model_loading import model_device
 
         args = ["--device", model_device(), *serve_arguments(config)]
-        return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args)
+        return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args, api_key=api_key)
 
     def restart(self, index: int, timeout: float = 300.0) -> str:
         """Replace engine ``index``: SIGKILL it if it still runs (it is dead or hung: nothing
-        on it is worth a graceful stop), launch a new one with the same arguments (log
+        on it is worth a graceful stop), launch a new one with the same arguments and key (log
         ``engine_<index>.restart<k>.log``, so the old log keeps what went wrong), wait until
         it is healthy and return its URL. Blocking; :class:`FleetError` naming the new log
         when it does not come up, or when the fleet is stopped meanwhile."""
@@ -242,7 +274,9 @@ class EngineFleet:
                 raise FleetError(f"engine server {old.url}: not restarted, the fleet is stopping")
             self.restarts[index] += 1
             log_path = self.log_dir / f"engine_{index}.restart{self.restarts[index]}.log"
-            engine = self.engines[index] = launch_engine(self.checkpoint, *self.args, log_path=log_path, threads=self.threads)
+            engine = self.engines[index] = launch_engine(
+                self.checkpoint, *self.args, log_path=log_path, threads=self.threads, api_key=self.api_key
+            )
         try:
             wait_for([engine], timeout, healthy=True)
         except BaseException:

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from miles_core.engine.auth import auth_headers
 from miles_core.engine.weight_group import (
     DEFAULT_JOIN_TIMEOUT_S,
     WeightGroup,
@@ -49,8 +50,11 @@ class GroupSender:
         master_address: str | None = None,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT_S,
         timeout: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
+        self.api_key = api_key
+        """What every request to the servers carries (``Authorization: Bearer``); None: nothing."""
         self.backend = backend
         self.master_address = master_address or master_address_for(self.urls)
         self.join_timeout = join_timeout
@@ -62,6 +66,9 @@ class GroupSender:
         """Why the group cannot be used any more (a member refused or went away mid-bucket)."""
         self.broadcast_seconds = 0.0
         """Time spent packing and broadcasting buckets (the transfer, without the HTTP answers)."""
+
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers=auth_headers(self.api_key))
 
     async def _post(self, session: aiohttp.ClientSession, url: str, path: str, body: Any, timeout: float | None) -> Any:
         try:
@@ -144,7 +151,7 @@ class GroupSender:
                 store=store,
             )
         )
-        async with aiohttp.ClientSession() as session:
+        async with self._session() as session:
             try:
                 await self._exchange(session, "/init_weights_update_group", bodies, mine, self.join_timeout + 30)
             except EngineRequestError as exc:
@@ -182,7 +189,7 @@ class GroupSender:
             raise WeightGroupError(f"weight-update group {self.name}: {self.broken or 'not open'}")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         count = 0
-        async with aiohttp.ClientSession() as session:
+        async with self._session() as session:
             for bucket in iter_buckets(items, buffer_size):
                 body: dict[str, Any] = {
                     **bucket_metadata(bucket),
@@ -232,7 +239,7 @@ class GroupSender:
         group, self.group = self.group, None
         leaving = in_daemon_thread(group.close) if group is not None else None
         try:
-            async with aiohttp.ClientSession() as session:
+            async with self._session() as session:
                 await asyncio.gather(
                     *(self._post(session, url, DESTROY, {"group_name": self.name}, 10.0) for url in self.urls), return_exceptions=True
                 )

@@ -28,6 +28,11 @@ With a :class:`Poster` (``--use-distributed-post``) the routing, retries and hea
 stay here, but each ``/rollout/generate`` POST and the decoding of its answer happen where
 the poster does them (a Ray actor on the engine's node): only the decoded records come back.
 
+With ``api_key`` every request carries ``Authorization: Bearer <key>`` (the servers require
+it of all but ``GET /health``, :mod:`miles_core.engine.auth`): the run's secret for servers
+it started, the user's key (``--api-key``, ``--api-key-file``, ``MILES_API_KEY``) for servers
+given by URL, which :meth:`HttpEngine.check_api_key` tries at start-up.
+
 ``--offload-rollout``: :meth:`HttpEngine.release_memory` and
 :meth:`HttpEngine.resume_memory` post ``/release_memory_occupation`` and
 ``/resume_memory_occupation`` to every server (``serve-engine``, or sglang-diffusion, which
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -48,11 +54,12 @@ import aiohttp
 import msgpack
 import torch
 
+from miles_core.engine.auth import API_KEY_ENV, auth_headers
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.health import HEALTHY, FaultTolerance, Prepare, Restart, Supervisor
 from miles_core.engine.routing import ENGINE_HEADER, GENERATE, RETRIES_HEADER, Balancer, Slot, health_status, post
 from miles_core.engine.wire import unpack_outputs
-from miles_core.errors import EngineRequestError, WeightsMismatchError, WireError
+from miles_core.errors import ApiKeyError, EngineRequestError, WeightsMismatchError, WireError
 from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.weights import bucket_to_bytes, iter_buckets
 
@@ -87,6 +94,7 @@ class HttpEngine(RolloutEngine):
         prepare: Prepare | None = None,
         router: str | None = None,
         router_log: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -101,6 +109,8 @@ class HttpEngine(RolloutEngine):
         """The miles router's base URL (``--use-miles-router``), where requests go."""
         self.router_log = router_log
         """Its log file, named when it stops answering."""
+        self.api_key = api_key
+        """What every request carries (``Authorization: Bearer``); None: nothing."""
         self._registered = False
         self._registering: asyncio.Future | None = None
         self.poster: Poster | None = None
@@ -136,12 +146,20 @@ class HttpEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, config: Any) -> HttpEngine:
+        """A client of the servers ``--rollout-engine-urls`` names (started by hand), with
+        the user's key: ``--api-key``, ``--api-key-file`` or ``MILES_API_KEY`` (none: no key)."""
+        from miles_core.engine.auth import resolve_api_key
+
+        def warn(line: str) -> None:
+            print(line, file=sys.stderr)
+
         return cls(
             config.rollout_engine_urls,
             max_concurrency=config.sglang_server_concurrency,
             decode_workers=config.rollout_parser_num_workers or 1,
             request_timeout=getattr(config, "miles_router_timeout", None),
             fault_tolerance=FaultTolerance.from_config(config),
+            api_key=resolve_api_key(getattr(config, "api_key", None), getattr(config, "api_key_file", None), warn=warn),
         )
 
     @property
@@ -158,7 +176,11 @@ class HttpEngine(RolloutEngine):
         """A plain engine over ``url`` alone, with this one's limits and no fault
         tolerance: a restarted server is re-synced through it before it rejoins."""
         return HttpEngine(
-            [url], max_concurrency=self.max_concurrency, request_timeout=self.request_timeout, connect_timeout=self.connect_timeout
+            [url],
+            max_concurrency=self.max_concurrency,
+            request_timeout=self.request_timeout,
+            connect_timeout=self.connect_timeout,
+            api_key=self.api_key,
         )
 
     # -- plumbing ----------------------------------------------------------------------
@@ -173,7 +195,8 @@ class HttpEngine(RolloutEngine):
         if self._session is None or self._session.closed:
             # The slots bound concurrency; the connector must not add a lower cap.
             connector = aiohttp.TCPConnector(limit=0)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+            # The key goes with every request of the session (the router's control calls too).
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=auth_headers(self.api_key))
         return self._session
 
     async def _post(
@@ -368,6 +391,29 @@ class HttpEngine(RolloutEngine):
         """The status of ``GET /health`` per URL (None: no answer)."""
         urls = self._distinct_urls()
         return dict(zip(urls, await asyncio.gather(*(self._health_status(url, 10.0) for url in urls))))
+
+    async def check_api_key(self, what: str = "engine server") -> None:
+        """At start-up: a request that changes nothing but needs the key (``POST
+        /get_weights_checksum`` of no module) to every server; one that answers 401 raises
+        :class:`~miles_core.errors.ApiKeyError` (exit status 2) naming it. Any other answer,
+        or none, is left to the run's first request to report."""
+
+        async def refusal(url: str) -> tuple[str, str] | None:
+            probe = aiohttp.ClientTimeout(total=60.0, sock_connect=self.connect_timeout)
+            try:
+                status, raw, _ = await self._post(url, "/get_weights_checksum", json_body={"module_names": []}, timeout=probe)
+            except EngineRequestError:
+                return None
+            return (url, self._message(raw)) if status == 401 else None
+
+        refused = [answer for answer in await asyncio.gather(*map(refusal, self._distinct_urls())) if answer is not None]
+        if refused:
+            url, why = refused[0]
+            cause = "it was started with another key" if self.api_key else "it requires an API key and the run has none"
+            raise ApiKeyError(
+                f"{what} {url} refused the run's requests with 401 ({' '.join(why.split())}): {cause}; give the run the "
+                f"server's key with --api-key-file FILE or {API_KEY_ENV}"
+            )
 
     async def wait_until_healthy(self, timeout: float = 300.0, interval: float = 0.2) -> None:
         """Poll ``GET /health`` until every URL answers 200; ``TimeoutError`` after ``timeout`` s."""

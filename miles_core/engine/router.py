@@ -28,6 +28,13 @@ so it comes back when it is registered again. Health checks use a connection poo
 their own, so a full request pool (``--miles-router-max-connections``) cannot make a
 healthy engine miss its checks.
 
+With an API key (``miles-core router`` reads it as serve-engine does: ``--api-key``,
+``--api-key-file`` or ``MILES_API_KEY``) every route but ``GET /health`` answers 401 to a
+request that does not carry ``Authorization: Bearer <key>``
+(:func:`~miles_core.engine.auth.bearer_middleware`), and the router sends the same key to
+the engines, with every forwarded request and health check: a run's router and engines
+share the run's secret.
+
 Nothing here imports torch.
 """
 
@@ -42,6 +49,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from miles_core.engine.auth import auth_headers, bearer_middleware
 from miles_core.engine.health import REMOVED, FaultTolerance, Supervisor
 from miles_core.engine.limits import DEFAULT_MAX_BODY_BYTES
 from miles_core.engine.routing import ENGINE_HEADER, GENERATE, RETRIES_HEADER, Balancer, Slot, health_status, post
@@ -85,10 +93,12 @@ class RouterSettings:
 
 
 class Router:
-    """The workers, their places and health, and the forwarding of requests."""
+    """The workers, their places and health, and the forwarding of requests; with
+    ``api_key`` the router requires it and sends it to the engines."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, api_key: str | None = None) -> None:
         self.settings = settings
+        self.api_key = api_key
         self.urls: list[str] = []
         self.supervisor = Supervisor(self.urls, settings.health, self._health, readmit=False)
         self.balancer = Balancer(self.urls, settings.max_concurrency, self.supervisor)
@@ -105,8 +115,9 @@ class Router:
         limit = self.settings.max_connections
         self._connections = None if limit is None else asyncio.Semaphore(limit)
         connector = aiohttp.TCPConnector(limit=limit or 0)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
-        self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = auth_headers(self.api_key)  # the engines take the router's key: the run's
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers)
+        self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
         self.supervisor.start()
 
     async def close(self) -> None:
@@ -234,8 +245,10 @@ def create_app(router: Router) -> web.Application:
     async def on_cleanup(app: web.Application) -> None:
         await router.close()
 
-    # The engines' own default body limit: the router refuses (413) what they would.
-    app = web.Application(client_max_size=DEFAULT_MAX_BODY_BYTES)
+    # The engines' own default body limit: the router refuses (413) what they would. The
+    # key is checked before any handler reads a body.
+    middlewares = [] if router.api_key is None else [bearer_middleware(router.api_key)]
+    app = web.Application(client_max_size=DEFAULT_MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post(GENERATE, generate)
     app.router.add_post("/add_worker", add_worker)
     app.router.add_post("/remove_worker", remove_worker)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from miles_core.engine.auth import API_KEY_ENV
 from miles_core.engine.fleet import ServedEngine, wait_for
 from miles_core.engine.router import ROUTER_FLAGS
 
@@ -30,18 +31,25 @@ def router_arguments(config: Any) -> list[str]:
     return args
 
 
-def start_router(args: list[str], log_path: str | Path, *, host: str = "127.0.0.1", timeout: float = 60.0) -> RouterProcess:
+def start_router(
+    args: list[str], log_path: str | Path, *, host: str = "127.0.0.1", timeout: float = 60.0, api_key: str | None = None
+) -> RouterProcess:
     """Start ``miles-core router --host HOST --port 0 ARGS`` and wait (at most ``timeout``
     s) until it answers ``GET /health``; on failure it is killed and
-    :class:`~miles_core.errors.FleetError` names its log."""
+    :class:`~miles_core.errors.FleetError` names its log. ``api_key`` (the run's secret)
+    reaches the router in its environment only, never on its command line; without one
+    the router runs without a key, whatever this process's environment holds."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "miles_core.cli.main", "router", "--host", host, "--port", "0", *args],
             stdout=subprocess.DEVNULL,
             stderr=log,
-            env=dict(os.environ),
+            env=env,
             start_new_session=True,
         )
     router = RouterProcess(process, log_path)

@@ -9,6 +9,9 @@ Routes (docs/design.md, "The wire contract"):
   ``"deterministic"``: whether the process runs torch's deterministic algorithms.
 - ``POST /update_weights_from_disk``: ``{"model_path": DIR, "target_modules": [...] | null,
   "flush_cache": bool}`` as sglang-diffusion takes it; answers ``{"success", "message"}``.
+  ``DIR`` must lie under one of the server's allowed weight roots once its links are
+  resolved (:mod:`miles_core.engine.weight_roots`); anything else answers 403, the same
+  whether or not it exists.
 - ``POST /update_weights_from_tensor``: our CUDA-IPC-free format, an ``application/msgpack``
   body ``{"target_module": NAME, "bucket": <safetensors bytes>, "lora_only": bool,
   "lora_config": {r, lora_alpha, target_modules, init_lora_weights} (optional, LoRA-only)}``,
@@ -35,6 +38,10 @@ Routes (docs/design.md, "The wire contract"):
   ``{"success": true, "sleeping": bool, "message": ...}``, and asking twice is harmless.
   While released, generation, weight updates and checksums answer 409 naming the state.
 
+A server started with an API key answers 401 to every request but ``GET /health`` that
+does not carry ``Authorization: Bearer <key>`` (:mod:`miles_core.engine.auth`), before
+anything else looks at it.
+
 A malformed or out-of-range request answers 400 with ``{"error": "<field>: <message>"}``;
 an unexpected failure answers 500 with the message. Either way the server keeps serving.
 
@@ -51,15 +58,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 from aiohttp import web
 
 from miles_core.engine import ipc_wire
+from miles_core.engine.auth import bearer_middleware
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.limits import BODY_FLAG, DEFAULT_MAX_BODY_BYTES, RequestLimits, body_too_large
 from miles_core.engine.weight_group import (
@@ -71,6 +81,7 @@ from miles_core.engine.weight_group import (
     parse_dtype,
     unpack_bucket,
 )
+from miles_core.engine.weight_roots import resolve_roots, weight_path_refusal
 from miles_core.engine.wire import pack_outputs
 from miles_core.errors import (
     EngineReleasedError,
@@ -125,6 +136,8 @@ class EngineState:
     accept_ipc_weights: bool = False
     """Whether sglang's pickled ``serialized_named_tensors`` updates are taken (from
     loopback peers): only for a server colocated with its trainer."""
+    weight_roots: tuple[Path, ...] = ()
+    """The folders ``/update_weights_from_disk`` loads from (none: it loads nothing)."""
 
     def load(self) -> None:
         try:
@@ -162,9 +175,18 @@ def create_app(
     limits: Mapping[str, int | None] | None = None,
     max_generate_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     accept_ipc_weights: bool = False,
+    api_key: str | None = None,
+    allowed_weight_roots: Sequence[str | os.PathLike[str]] = (),
 ) -> web.Application:
     """The application. ``engine`` is an engine, or a loader called in a background
-    thread when the application starts (``/health`` answers 503 until it returns).
+    thread once :func:`start_server` listens (``/health`` answers 503 until it returns).
+
+    With ``api_key`` every request but ``GET /health`` must carry ``Authorization: Bearer
+    <api_key>``; one that does not answers 401 before its body is read (None: no
+    authentication, for a server started by hand without a key). ``/update_weights_from_disk``
+    loads only directories under ``allowed_weight_roots`` (checked and resolved here: one
+    that is not a directory raises :class:`~miles_core.errors.ConfigError`; none: every
+    disk load answers 403).
 
     Request bodies are capped at ``max_request_bytes`` (default: twice the weight-update
     buffer size plus 16 MiB, so one bucket always fits; a single tensor larger than that
@@ -178,16 +200,20 @@ def create_app(
         max_request_bytes = 2 * update_weight_buffer_size + 16 * 1024**2
     overrides = dict(limits or {})
     RequestLimits.check_overrides(overrides)  # a bad override fails here, not in the loader thread
-    app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors])
+    roots = resolve_roots(allowed_weight_roots)
+    # The key is checked first (outermost), so a refused request's body is never read and
+    # no handler, error mapping included, runs for it.
+    middlewares = [_errors] if api_key is None else [bearer_middleware(api_key), _errors]
+    app = web.Application(client_max_size=max_request_bytes, middlewares=middlewares)
     app[STATE] = EngineState(
         loader,
         on_load_error=on_load_error,
         limit_overrides=overrides,
         max_generate_body_bytes=max_generate_body_bytes,
         accept_ipc_weights=accept_ipc_weights,
+        weight_roots=roots,
     )
     app[GROUPS] = {}
-    app.on_startup.append(_start_loading)
     app.on_cleanup.append(_close_groups)
     app.add_routes(
         [
@@ -223,13 +249,19 @@ class RunningServer:
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Listen on ``host:port`` (0: a free port) and return the running server; the
-    engine loader starts at the same time."""
+    engine loader starts once it listens (an address that cannot be bound loads nothing)."""
     # handler_cancellation: a handler whose client goes away is cancelled (aiohttp's
     # default lets it run on), which is what stops that client's generation.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:  # the address cannot be bound
+        await runner.cleanup()
+        raise
+    if STATE in app:
+        _start_loading(app[STATE])
     addresses = runner.addresses
     return RunningServer(runner, host, addresses[0][1] if addresses else port)
 
@@ -237,8 +269,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
 # -- plumbing ---------------------------------------------------------------------------
 
 
-async def _start_loading(app: web.Application) -> None:
-    state = app[STATE]
+def _start_loading(state: EngineState) -> None:
     state.thread = threading.Thread(target=state.load, name="engine-loader", daemon=True)
     state.thread.start()
 
@@ -386,13 +417,19 @@ async def _generate(request: web.Request) -> web.Response:
 
 
 async def _update_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[STATE].require()
+    state = request.app[STATE]
+    engine = state.require()
     body = _json_object(await _json_body(request))
     model_path = body.get("model_path")
     if not model_path:
         raise BadRequest("model_path", "is required")
     if not isinstance(model_path, str):
         raise BadRequest("model_path", f"must be a string, got {model_path!r}")
+    # Before anything looks at what the path holds: outside the roots the answer is the same
+    # whether it exists or not. The same line as the sglang servers' proxy answers.
+    refused = weight_path_refusal(model_path, state.weight_roots, field="model_path")
+    if refused is not None:
+        return _error(403, refused)
     flush_cache = body.get("flush_cache", True)
     if not isinstance(flush_cache, bool):
         raise BadRequest("flush_cache", f"must be true or false, got {flush_cache!r}")

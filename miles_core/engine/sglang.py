@@ -22,6 +22,14 @@ what it sent, so that the checksum check works as after a disk sync.
 hung one is relaunched (:meth:`SglangEngine.restart_server`: same command and environment,
 a new port, log ``engine-<i>.restart<k>.log``) and re-synced through the disk by
 :meth:`SglangEngine.view` before it serves again.
+
+sglang-diffusion 0.5.23 takes no API key. With the run's key (``api_key``) each server
+listens on 127.0.0.1 on a private port behind an authenticating proxy
+(:mod:`miles_core.engine.auth_proxy`, the parent process of the server) that holds the
+clients' address, requires the key and lets ``/update_weights_from_disk`` load only from
+under the sync folder ``sync_root`` (the re-syncs' ``resync-*`` lie under it) and
+``allowed_weight_roots``; a restarted server gets the same. The key reaches the proxy in
+its environment only.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -152,13 +161,18 @@ class SglangEngine(HttpEngine):
         self.python: str | None = None
         self.sglang_args: list[str] = []
         self.environment: dict[str, str] | None = None
+        self.allowed_weight_roots: tuple[str, ...] = ()
+        """Where launch() let the servers load weights from (with a key: behind the proxy)."""
         self.launch_timeout = 600.0
         self.restarts = [0] * len(self.processes)
         self._lock = threading.Lock()
         self._stopping = False
 
     @classmethod
-    def from_config(cls, config: Any) -> SglangEngine:
+    def from_config(cls, config: Any, api_key: str | None = None) -> SglangEngine:
+        """The run's servers; with ``api_key`` (the run's secret) behind authenticating
+        proxies that let them load weights only from the sync folder (and from the
+        configuration's ``allowed_weight_roots``, when it has any)."""
         python = check_python(config.get("sglang_python"))
         args = list(config.sglang_args)
         server_args(args)  # framework-set arguments fail before anything starts
@@ -178,6 +192,8 @@ class SglangEngine(HttpEngine):
             count,
             work_dir,
             timeout=600.0,
+            api_key=api_key,
+            allowed_weight_roots=config.get("allowed_weight_roots") or (),
             **options,
         )
         engine._owns_work_dir = owned
@@ -211,18 +227,29 @@ class SglangEngine(HttpEngine):
         *,
         timeout: float = 600.0,
         env: Mapping[str, str] | None = None,
+        allowed_weight_roots: Sequence[str | Path] = (),
         **kwargs: Any,
     ) -> SglangEngine:
-        """Start ``count`` servers and wait until every one answers ``/health`` with 200."""
+        """Start ``count`` servers and wait until every one answers ``/health`` with 200.
+        With ``api_key`` in ``kwargs`` each is behind an authenticating proxy that lets it
+        load weights from the sync folder and ``allowed_weight_roots`` only."""
         work_dir = Path(work_dir)
         (work_dir / "logs").mkdir(parents=True, exist_ok=True)
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        api_key = kwargs.get("api_key")
+        roots: tuple[str, ...] = ()
+        if api_key is not None:
+            sync_root = Path(kwargs["sync_root"]) if kwargs.get("sync_root") is not None else work_dir / "weight-sync"
+            sync_root.mkdir(parents=True, exist_ok=True)  # a root must exist when the proxy resolves it
+            roots = (str(sync_root.absolute()), *map(str, allowed_weight_roots))
         processes, logs, urls = [], [], []
         try:
             for index in range(count):
                 port = free_port()
                 log_path = work_dir / "logs" / f"engine-{index}.log"
-                processes.append(spawn_server(python, model_path, port, sglang_args, environment, log_path))
+                processes.append(
+                    spawn_server(python, model_path, port, sglang_args, environment, log_path, api_key=api_key, allowed_weight_roots=roots)
+                )
                 logs.append(log_path)
                 urls.append(f"http://127.0.0.1:{port}")
             engine = cls(urls, processes, logs, work_dir, **kwargs)
@@ -231,6 +258,7 @@ class SglangEngine(HttpEngine):
             raise
         engine.model_path = str(model_path)
         engine.python, engine.sglang_args, engine.environment = str(python), list(sglang_args), environment
+        engine.allowed_weight_roots = roots
         engine.launch_timeout = timeout
         try:
             engine._wait_healthy(timeout)
@@ -292,7 +320,16 @@ class SglangEngine(HttpEngine):
             self.restarts[index] += 1
             port = free_port()
             log_path = self.work_dir / "logs" / f"engine-{index}.restart{self.restarts[index]}.log"
-            self.processes[index] = spawn_server(self.python, self.model_path, port, self.sglang_args, self.environment, log_path)
+            self.processes[index] = spawn_server(
+                self.python,
+                self.model_path,
+                port,
+                self.sglang_args,
+                self.environment,
+                log_path,
+                api_key=self.api_key,
+                allowed_weight_roots=self.allowed_weight_roots,
+            )
             self.log_paths[index] = log_path
         url = f"http://127.0.0.1:{port}"  # the supervisor puts it in the slot
         try:
@@ -317,6 +354,7 @@ class SglangEngine(HttpEngine):
             max_concurrency=self.max_concurrency,
             request_timeout=self.request_timeout,
             connect_timeout=self.connect_timeout,
+            api_key=self.api_key,
         )
         view.model_path = self.model_path
         return view
@@ -472,16 +510,45 @@ def spawn_server(
     environment: Mapping[str, str],
     log_path: Path,
     host: str = "127.0.0.1",
+    *,
+    api_key: str | None = None,
+    allowed_weight_roots: Sequence[str | Path] = (),
 ) -> subprocess.Popen:
-    """Start one server (its own process group, output to ``log_path``); does not wait."""
+    """Start one server (its own process group, output to ``log_path``); does not wait.
+
+    With ``api_key`` the clients' address ``host:port`` is an authenticating proxy's
+    (:mod:`miles_core.engine.auth_proxy`: the key required, disk loads only from under
+    ``allowed_weight_roots``), and sglang-diffusion, which takes no key, listens on
+    127.0.0.1 on a private port behind it; the returned process is the proxy's, the
+    server its child in its process group. The key goes in the proxy's environment only.
+    A root that is not a directory raises :class:`~miles_core.errors.ConfigError` before
+    anything starts."""
+    command = serve_command(python, model_path, port, sglang_args, host)
+    env = dict(environment)
+    if api_key is not None:
+        from miles_core.engine.auth import API_KEY_ENV
+        from miles_core.engine.weight_roots import ROOTS_FLAG, resolve_roots
+
+        roots = resolve_roots(allowed_weight_roots)
+        private = free_port("127.0.0.1")
+        command = [
+            sys.executable,
+            "-m",
+            "miles_core.engine.auth_proxy",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--upstream-port",
+            str(private),
+            ROOTS_FLAG,
+            *map(str, roots),
+            "--",
+            *serve_command(python, model_path, private, sglang_args, "127.0.0.1"),
+        ]
+        env[API_KEY_ENV] = api_key
     with log_path.open("wb") as log:
-        return subprocess.Popen(
-            serve_command(python, model_path, port, sglang_args, host),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(environment),
-            start_new_session=True,
-        )
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def kill_servers(processes: Sequence[subprocess.Popen]) -> None:

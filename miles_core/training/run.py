@@ -34,7 +34,7 @@ from miles_core.specs import LossSpec
 from miles_core.training.loops import rollouts, rolls_out
 from miles_core.training.run_context import RunContext
 from miles_core.training.run_directory import output_directory, save_weights
-from miles_core.training.run_engine import create_run_engine, start_fleet, started_servers
+from miles_core.training.run_engine import check_engine_key, create_run_engine, start_fleet, started_servers
 from miles_core.training.run_state import restore_run_state, save_run_state
 from miles_core.training.run_summary import final_summary, rollout_line
 
@@ -148,6 +148,8 @@ async def prepare_run(
     engine = (engine_factory or create_run_engine)(config) if generates and not own_fleet else None
     fleet = None
     try:
+        if engine is not None and config.get("rollout_engine_urls"):  # servers started by hand refuse a wrong key now
+            await check_engine_key(engine)
         if cluster is not None:
             # The ranks load the model and train; the driver holds none of it (the embedded
             # engine runs on an actor of its own, synced from the ranks).

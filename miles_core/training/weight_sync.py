@@ -264,7 +264,7 @@ async def sync_to_engine(engine: Any, modules: Mapping[str, torch.nn.Module] | S
         [_module_weights(name, module, lora_only) for name, module in modules.items()] if isinstance(modules, Mapping) else list(modules)
     )
     result = SyncResult(path=path)
-    sender = await group_sender(engine.weight_urls(), config) if path == "distributed" else None
+    sender = await group_sender(engine.weight_urls(), config, api_key=getattr(engine, "api_key", None)) if path == "distributed" else None
     for module_weights in weights:
         name = module_weights.name
         sent = _Hashing(module_weights.tensors)
@@ -305,12 +305,12 @@ def _group_backend(config: Any) -> str:
     return "nccl" if torch.cuda.is_available() and backend != "gloo" else "gloo"
 
 
-async def group_sender(urls: Sequence[str], config: Any) -> Any:
+async def group_sender(urls: Sequence[str], config: Any, *, api_key: str | None = None) -> Any:
     """The open weight-update group with the servers ``urls`` (this process is rank 0),
-    made on first use; a group sharing a server with them (the set changed: a server was
-    restarted or left) is closed first. ``MILES_WEIGHT_SYNC_ADDRESS`` overrides the
-    address the servers reach this process at, ``MILES_WEIGHT_SYNC_JOIN_TIMEOUT`` (seconds,
-    default 60) how long they may take to join."""
+    made on first use (its requests carry ``api_key``, the servers' key); a group sharing a
+    server with them (the set changed: a server was restarted or left) is closed first.
+    ``MILES_WEIGHT_SYNC_ADDRESS`` overrides the address the servers reach this process at,
+    ``MILES_WEIGHT_SYNC_JOIN_TIMEOUT`` (seconds, default 60) how long they may take to join."""
     import os
 
     from miles_core.engine.group_sender import GroupSender
@@ -329,6 +329,7 @@ async def group_sender(urls: Sequence[str], config: Any) -> Any:
         master_address=os.environ.get(ADDRESS_ENV) or None,
         join_timeout=float(os.environ.get(JOIN_TIMEOUT_ENV) or DEFAULT_JOIN_TIMEOUT_S),
         timeout=60.0 * minutes,
+        api_key=api_key,
     )
     await sender.open(startup=not _GROUP_STATE["synced"])
     _GROUPS[key] = sender
@@ -449,6 +450,7 @@ def send_from_rank(
     lora_only: bool,
     sends: bool,
     path: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """One weight sync from the training ranks (every rank calls it together): each
     module's tensors are gathered as :func:`rank_engine_tensors` yields them, and the
@@ -460,10 +462,11 @@ def send_from_rank(
     "bytes": n, "error": None | [url, status, message], "failure": None | [message,
     exit_code]}`` (``failure``: the weight-update group could not be made or used);
     ``path``: ``http`` or ``distributed`` as the driver decided it for every rank
-    (default: :func:`sync_path` of ``config`` in this process). A
+    (default: :func:`sync_path` of ``config`` in this process); ``api_key``: the servers'
+    key, which every request carries (the driver's, given as an argument). A
     server that refuses or does not answer stops the sending; the gathers still go on to
     the end, so the ranks' collectives stay paired."""
-    return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends, path or sync_path(config)))
+    return asyncio.run(_send_from_rank(modules, dtypes, list(urls), config, lora_only, sends, path or sync_path(config), api_key))
 
 
 async def _send_from_rank(
@@ -474,16 +477,17 @@ async def _send_from_rank(
     lora_only: bool,
     sends: bool,
     path: str,
+    api_key: str | None,
 ) -> dict[str, Any]:
     from miles_core.engine.http import HttpEngine
     from miles_core.errors import EngineRequestError, WeightGroupError
 
-    client = HttpEngine(urls) if sends and urls else None
+    client = HttpEngine(urls, api_key=api_key) if sends and urls else None
     answer: dict[str, Any] = {"checksums": {}, "bytes": 0, "error": None, "failure": None}
     send = client.update_weights_from_tensors if client is not None else None
     if client is not None and path == "distributed":
         try:
-            send = (await group_sender(urls, config)).send
+            send = (await group_sender(urls, config, api_key=api_key)).send
         except WeightGroupError as exc:
             answer["failure"] = [str(exc), exc.exit_code]
     try:
