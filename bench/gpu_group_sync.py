@@ -35,12 +35,9 @@ Usage: python bench/gpu_group_sync.py [--out DIR] [--dry-run] [--repeats 3] [--b
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from lane.section_cli import sync_section_main
 
 NCCL = "nccl, engine on its own GPU"
 GLOO = "gloo, buckets staged in host memory"
@@ -312,28 +310,13 @@ async def section(out: Path, dry_run: bool, repeats: int, buffer_bytes: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--out", type=Path, default=None, help="folder for group_sync.json and group_sync.md (default: $OUT, else a new temporary folder)"
+    sync_section_main(
+        "group_sync",
+        __doc__,
+        section,
+        dry_run_help="the gloo case at the tiny size on the CPU, in seconds",
+        repeats_help="syncs per case after the warm-up; the table shows medians (default 3)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="the gloo case at the tiny size on the CPU, in seconds")
-    parser.add_argument("--repeats", type=int, default=3, help="syncs per case after the warm-up; the table shows medians (default 3)")
-    parser.add_argument("--buffer-mb", type=int, default=512, help="--update-weight-buffer-size in MiB (default 512, the flag's default)")
-    args = parser.parse_args()
-    if args.dry_run:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, also on a machine with GPUs
-        torch.set_num_threads(1)
-    elif not torch.cuda.is_available():
-        print("gpu_group_sync.py: needs CUDA (torch sees no GPU); nothing measured. --dry-run runs the same steps on the CPU")
-        return
-    from miles_core.quiet import quiet_hub_libraries
-
-    quiet_hub_libraries()
-    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu-lane-")))
-    out.mkdir(parents=True, exist_ok=True)
-    status = asyncio.run(section(out, args.dry_run, max(1, args.repeats), args.buffer_mb * 1024 * 1024))
-    print(f"results: {out / 'group_sync.json'}, {out / 'group_sync.md'}")
-    sys.exit(status)
 
 
 if __name__ == "__main__":

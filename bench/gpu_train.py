@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lane.section_cli import prepare, results_folder
 
 SD35_MEDIUM: dict[str, Any] = {
     "sample_size": 128,
@@ -580,14 +580,8 @@ def main() -> None:
         help="start no case after this many seconds (default 210: the section stays under 4 minutes)",
     )
     args = parser.parse_args()
-    if args.dry_run:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, also on a machine with GPUs
-        torch.set_num_threads(1)
-    from miles_core.quiet import quiet_hub_libraries
-
-    quiet_hub_libraries()
-    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu-lane-")))
-    out.mkdir(parents=True, exist_ok=True)
+    prepare(args.dry_run)
+    out = results_folder(args.out)
     resolution = args.resolution if args.resolution is not None else (None if args.dry_run else 512)
     status = asyncio.run(section(out, args.dry_run, resolution, args.budget_s))
     print(f"results: {out / 'train.json'}, {out / 'train.md'}")
