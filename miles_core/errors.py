@@ -107,6 +107,20 @@ class RequestError(InputError, ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+class PromptNotStoredError(RequestError):
+    """A prompt whose encoding is not among those precomputed at start-up, asked for after
+    the text encoders were freed (``--precompute-prompt-embeddings``)."""
+
+    def __init__(self, prompt: str, negative_prompt: str | None, flag: str) -> None:
+        self.prompt = prompt
+        negative = "" if negative_prompt is None else f" with negative prompt {negative_prompt!r}"
+        super().__init__(
+            "prompt",
+            f"{prompt!r}{negative} (with these sampling parameters) is not among the prompt embeddings computed at "
+            f"start-up under {flag}, and the text encoders were freed",
+        )
+
+
 class IpcFormatError(RequestError):
     """A CUDA-IPC weight update (sglang-diffusion's ``/update_weights_from_tensor`` JSON)
     that is malformed or names a global its restricted unpickler does not allow."""
@@ -139,6 +153,18 @@ class GenerationCancelled(MilesError, RuntimeError):
         self.step = step
         self.steps = steps
         super().__init__(f"request {request_id}: cancelled after {step} of {steps} denoising steps")
+
+
+class TrainingStopped(MilesError, RuntimeError):
+    """A rollout's training stopped after a micro-batch because the run was stopped while
+    it trained on another thread (:attr:`Trainer.stop_requested`); ``done`` of ``total``
+    micro-batches (or steps) had run, so its optimizer steps may be half applied."""
+
+    def __init__(self, done: int, total: int) -> None:
+        self.done = done
+        self.total = total
+        of = f" of {total}" if total else ""
+        super().__init__(f"training stopped after {done}{of} micro-batch(es) or step(s): the run was stopped")
 
 
 class WireError(InputError, ValueError):

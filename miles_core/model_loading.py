@@ -5,8 +5,9 @@ checkpoint's ``model_index.json`` and name by :mod:`miles_core.family_match` whi
 configuration is resolved) or the ``--train-pipeline-config-path`` class; ``--model-backend-path``
 replaces the loader; ``--sft-encoder-checkpoint`` supplies an SFT run's encoders. The
 model goes to the machine's device (a GPU when one is visible) in
-``--diffusion-forward-dtype``. The embedded engine and the trainer both load through
-:func:`load_family`, so they cannot disagree about what they run.
+``--diffusion-forward-dtype``; ``--compile`` compiles its transformer's repeated blocks.
+The embedded engine and the trainer both load through :func:`load_family`, so they
+cannot disagree about what they run.
 """
 
 from __future__ import annotations
@@ -45,7 +46,30 @@ def family_class(config: Any) -> type[ModelFamily]:
 
 
 def load_family(config: Any) -> ModelFamily:
-    """Load the configuration's model family (see the module docstring)."""
+    """Load the configuration's model family (see the module docstring); under
+    ``--compile`` its trainable components' repeated blocks are compiled
+    (:func:`compile_family`)."""
+    family = _load_family(config)
+    if config.get("compile"):
+        compile_family(family)
+    return family
+
+
+def compile_family(family: ModelFamily) -> dict[str, int]:
+    """``--compile``: compile the repeated blocks of the family's trainable components in
+    place (:mod:`miles_core.regional_compile`; lazy, so LoRA adapters a trainer adds
+    later are compiled too); return each component's block count. A component without
+    repeated blocks is a one-line :class:`~miles_core.errors.RunError`."""
+    from miles_core.errors import RunError
+    from miles_core.regional_compile import compile_components
+
+    try:
+        return compile_components(family.components())
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+
+
+def _load_family(config: Any) -> ModelFamily:
     from miles_core.family import ModelFamily
 
     if config.model_backend_path:

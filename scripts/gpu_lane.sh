@@ -9,7 +9,8 @@
 #   scripts/gpu_lane.sh                  every section
 #   scripts/gpu_lane.sh --only train     one section (see SECTIONS): train (bench/gpu_train.py),
 #                                        ipc_sync (bench/gpu_ipc_sync.py), group_sync
-#                                        (bench/gpu_group_sync.py; its nccl case needs 2 GPUs)
+#                                        (bench/gpu_group_sync.py; its nccl case needs 2 GPUs),
+#                                        compile (bench/compile.py: --compile vs eager)
 #   scripts/gpu_lane.sh --dry-run        every section at the tiny size on the CPU, with
 #                                        .venv's Python and nothing installed (seconds; the
 #                                        sections side by side, output in section order)
@@ -19,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-SECTIONS=(train ipc_sync group_sync)
+SECTIONS=(train ipc_sync group_sync compile)
 
 usage() { echo "usage: scripts/gpu_lane.sh [--only SECTION] [--dry-run | --install-only]; sections: ${SECTIONS[*]}" >&2; exit 2; }
 only=""
@@ -109,6 +110,7 @@ section_command() {  # sets cmd
     train) cmd=("$PY" bench/gpu_train.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
     ipc_sync) cmd=("$PY" bench/gpu_ipc_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
     group_sync) cmd=("$PY" bench/gpu_group_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
+    compile) cmd=("$PY" bench/compile.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
   esac
 }
 

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("MILES_STRICT_PLUGINS", "1")
+# One torch thread in every test, in runs the tests start too (their thread plan honours it).
+os.environ["OMP_NUM_THREADS"] = "1"
 # Every Ray instance of the suite runs without token auth: a process keeps the auth mode of
 # its first ray.init (a local one turns token auth on), so the suite's local instances and
 # the two-node cluster of tests/ray_nodes.py must agree whichever starts first. They

@@ -366,7 +366,8 @@ def test_progress_bars_only_on_a_terminal(tiny_sd3, prompts, tmp_path, monkeypat
     # 2 prompts x 2 microgroups (tqdm throttles redraws: the count shown may lag).
     assert "rollout 1/1" in text and "/4 [" in text and "microgroup" in text
     assert "train 1/1" in text and "micro-batch" in text
-    assert len(lines) == 2 and lines[0].startswith("rollout 1/1  reward")  # the summary line is still there
+    # The thread plan's line, then the rollout's summary line, still there.
+    assert len(lines) == 3 and lines[0].startswith("threads: ") and lines[1].startswith("rollout 1/1  reward")
 
 
 # -- EMA rollout policy -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -60,6 +61,14 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
         "CUDA-IPC handles) from loopback peers; unpickling runs its sender's code, so a run sets this only for "
         "an engine it places on its trainer's GPU (default: refused with 403)",
     )
+    parser.add_argument(
+        "--prompt-embeddings",
+        metavar="FILE",
+        help="a prompt-embeddings manifest (a run's OUTPUT_DIR/prompt_embeddings.json under --precompute-prompt-embeddings): "
+        "at start-up the server loads the encodings of its requests from the cache folder it names (encoding and "
+        "writing any missing or corrupt entry), then frees its text encoders; a request for any other prompt is "
+        "answered 400 (default: encode per request, as without it)",
+    )
     access = parser.add_argument_group(
         "access",
         "Who may drive the server (docs/engine.md, Authentication). With a key, every request but GET /health "
@@ -90,6 +99,12 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core serve-eng
         action="store_true",
         help="deterministic kernels, as the run's --deterministic-mode: torch's deterministic algorithms and "
         'CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; GET /health reports it ("deterministic": true)',
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the transformer's repeated blocks with torch.compile, as the run's --compile (docs/guide.md, "
+        "'Compiled transformer'); the first request of each shape pays the compile",
     )
     limits = parser.add_argument_group(
         "request limits",
@@ -152,6 +167,13 @@ def parse_args(
         args.allowed_weight_roots = resolve_roots(args.allowed_weight_roots)
     except (ApiKeyError, ConfigError) as exc:
         parser.error(str(exc))
+    if args.prompt_embeddings is not None:  # a bad manifest stops here, before the model loads
+        from miles_core.engine.prompt_store import read_manifest
+
+        try:
+            read_manifest(args.prompt_embeddings)
+        except ValueError as exc:
+            parser.error(f"--prompt-embeddings {exc}")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port}: must be in [0, 65535]")
     if args.update_weight_buffer_size < 1:
@@ -164,6 +186,12 @@ def parse_args(
         family = family_name(args.hf_checkpoint, args.diffusion_model_family, registry)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.compile:  # here, not at the first request
+        from miles_core.regional_compile import compile_unavailable
+
+        problem = compile_unavailable(cuda=device_and_dtype(args.device, args.dtype)[0].startswith("cuda"))
+        if problem is not None:
+            parser.error(f"--compile: {problem}")
     return args, family
 
 
@@ -194,13 +222,32 @@ def run(argv: Sequence[str], prog: str = "miles-core serve-engine") -> int:
 def build_app(args: argparse.Namespace, family: str, on_load_error: Callable[[BaseException], None] | None = None) -> web.Application:
     """The server application of parsed ``serve-engine`` arguments; it loads the model
     in the background once it starts."""
+    import torch
+
     from miles_core.engine.embedded import EmbeddedEngine
     from miles_core.engine.server import create_app
+    from miles_core.engine.torch_threads import pin_current_thread
 
     device, dtype = device_and_dtype(args.device, args.dtype)
 
     def load() -> EmbeddedEngine:
-        return EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family, device=device, dtype=dtype)
+        engine = EmbeddedEngine.from_checkpoint(args.hf_checkpoint, family, device=device, dtype=dtype)
+        # The engine's worker is the server's compute thread, with the threads this process
+        # was given (OMP_NUM_THREADS: a run's thread plan sets it); every other thread that
+        # calls torch (this one, weight updates, checksums) runs on one, so that only one
+        # OpenMP team holds the cores (docs/guide.md, "Threads").
+        engine.pin_compute_threads(torch.get_num_threads())
+        pin_current_thread(1)  # after the engine's pin: also the count of threads started later
+        if args.compile:  # lazy: each shape compiles at its first request
+            from miles_core.model_loading import compile_family
+
+            compile_family(engine.family)
+        if args.prompt_embeddings:
+            from miles_core.engine.prompt_store import preload
+
+            # On the compute thread: the encodings are the calls a request would make.
+            engine.run_compute_sync(functools.partial(preload, engine, args.prompt_embeddings, log=_warn))
+        return engine
 
     return create_app(
         load,

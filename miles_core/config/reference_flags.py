@@ -154,6 +154,23 @@ _TABLE: tuple[Flag, ...] = (
         differs="nccl needs GPUs; auto uses nccl when GPUs are visible and gloo on a CPU-only machine.",
     ),
     _f("cluster", "--distributed-timeout-minutes", "int", 10, "Timeout of torch.distributed collectives, in minutes.", range="[1, inf)"),
+    _f(
+        "cluster",
+        "--cpu-threads",
+        "int",
+        None,
+        "Not in the reference. Torch threads of the process's compute thread (the one thread that runs generation, "
+        "training and evaluation); every other thread that calls torch (reward scoring, response decoding) runs on one. "
+        "Unset: the thread plan decides from the machine and the configuration (docs/guide.md, 'Threads'): on a CPU, "
+        "every usable core (or OMP_NUM_THREADS when set); with GPUs, the cores left after the reward and decode "
+        "workers. More than the machine's cores is a warning, not an error.",
+        range="[1, inf)",
+        metavar="N",
+        reference_default="(no such flag)",
+        differs="Added: the reference leaves threads to torch's default, which on a CPU gives each thread that calls "
+        "torch an OpenMP team of all the cores; two teams in one process made a 2-core run 1.22x slower than at one thread "
+        "(1.91x a hand-written loop's time); here one compute thread holds the cores.",
+    ),
     # ------------------------------------------------------------------ training backend
     _f("training_backend", "--train-backend", "str", "fsdp", "Training backend; fsdp is the only value.", choices=("fsdp",)),
     _f(
@@ -227,6 +244,19 @@ _TABLE: tuple[Flag, ...] = (
         {},
         "Extra environment variables for the training processes, as a JSON object.",
         metavar="JSON",
+    ),
+    _f(
+        "training_backend",
+        "--compile",
+        "bool",
+        False,
+        "Not in the reference. Compile the diffusion transformer's repeated blocks with torch.compile (regional "
+        "compilation: one compiled graph per block shape, so compile time stays bounded) in the engine and the trainer; "
+        "serve-engine servers the run starts get it too. The first call of each shape pays the compile. Refused with "
+        "FSDP2 ranks or sequence parallelism, and where inductor cannot compile (no C++ compiler; no triton on a GPU).",
+        reference_default="(no such flag)",
+        differs="Added: the reference runs eager; compiling is opt-in because each new shape costs a compile and "
+        "compiled kernels may round differently from eager ones (docs/guide.md, 'Compiled transformer').",
     ),
     # ------------------------------------------------------------------ optimizer and schedule
     _f("optimizer", "--optimizer", "str", "adam", "Optimizer; adam (AdamW) is the only value.", choices=("adam",)),
@@ -575,6 +605,33 @@ _TABLE: tuple[Flag, ...] = (
     ),
     # ------------------------------------------------------------------ data and batching
     _f("data", "--prompt-data", "str", None, "Prompt dataset: jsonl, one row per prompt."),
+    _f(
+        "data",
+        "--precompute-prompt-embeddings",
+        "bool",
+        False,
+        "Not in the reference. Encode every distinct training and evaluation prompt once at start-up (or load the "
+        "encodings from --prompt-embeddings-cache), then free the text encoders for the rest of the run; the embedded "
+        "engine, serve-engine servers the run starts (they preload them) and the trainer's SFT path use the stored "
+        "encodings; results are the same as without it (each is the engine's own encode call, at the run's thread "
+        "count). Not for other engines (sglang-diffusion servers, servers given by URL, plugins' engines: they "
+        "encode themselves), --use-ray, a --data-source-path source (prompts unknown at start) or custom rollout, "
+        "evaluation or generate functions: the run says so in one line and encodes per engine as without it.",
+        reference_default="(no such flag)",
+        differs="Added: the reference keeps the text encoders resident and encodes in the engine on every request.",
+    ),
+    _f(
+        "data",
+        "--prompt-embeddings-cache",
+        "str",
+        None,
+        "Not in the reference. Folder of the --precompute-prompt-embeddings cache, keyed by the checksums of the "
+        "frozen modules an encode runs, the family's settings and code, and every conditioning input; a corrupt entry "
+        "is detected by its checksum and rebuilt. Unset: OUTPUT_DIR/prompt_embeddings.",
+        metavar="DIR",
+        reference_default="(no such flag)",
+        differs="Added with --precompute-prompt-embeddings.",
+    ),
     _f("data", "--input-key", "str", "input", "Key of the prompt text in each data row."),
     _f("data", "--metadata-key", "str", "metadata", "Key of the per-sample metadata in each data row."),
     _hook("data", "--data-source-path", "Rollout data source class; defaults to RolloutDataSourceWithBuffer."),

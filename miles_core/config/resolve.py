@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.config.availability import conflicting_flags, hardware_notes, inert_notes, unavailable_errors
+from miles_core.config.compile_rules import compile_errors
 from miles_core.config.config_file import load_config_file
 from miles_core.config.distributed_post import distributed_post_errors
 from miles_core.config.document import SECRET_FLAGS
@@ -519,6 +520,11 @@ class _Resolver:
             ("colocate_reward", "colocate", "--colocate-reward requires --colocate"),
             ("ckpt_step", "load", "--ckpt-step requires --load"),
             (
+                "prompt_embeddings_cache",
+                "precompute_prompt_embeddings",
+                "--prompt-embeddings-cache requires --precompute-prompt-embeddings (the cache it keeps)",
+            ),
+            (
                 "load_debug_rollout_data_subsample",
                 "load_debug_rollout_data",
                 "--load-debug-rollout-data-subsample requires --load-debug-rollout-data",
@@ -528,6 +534,14 @@ class _Resolver:
             # "is": --ckpt-step 0 is a step (0 == False would let it pass without --load).
             if v(dest) is not None and v(dest) is not False and v(needed) in (None, False):
                 self.fail(message)
+        if v("precompute_prompt_embeddings"):
+            family = registry_spec(self.host, "model_family", self.config.model_family)
+            trained = [c for c in getattr(family, "trainable_components", ()) if c.startswith("text_encoder")]
+            if trained:
+                self.fail(
+                    f"--precompute-prompt-embeddings: the family trains {', '.join(trained)}, so encodings computed "
+                    "once would go stale; drop the flag"
+                )
         if v("ray_address") and not v("use_ray"):
             self.config.set("use_ray", True, Source.DERIVED)  # a cluster address means running on it
         self.errors.extend(distributed_post_errors(self.config))
@@ -550,6 +564,7 @@ class _Resolver:
             family = registry_spec(self.host, "model_family", self.config.model_family)
             self.errors.extend(sequence_parallel_errors(self.config, family, visible_gpu_count()))
         self.errors.extend(fsdp_offload_errors(self.config))
+        self.errors.extend(compile_errors(self.config, gpus=visible_gpu_count()))
         if v("lr_warmup_iters") and v("lr_warmup_fraction") is not None:
             self.fail("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
         if v("lr_decay_style") == "wsd" and v("lr_wsd_decay_iters") is None:

@@ -2,7 +2,9 @@
 
 Generation runs in a worker thread so the event loop stays responsive (a caller can
 score one microgroup while others generate); one request runs at a time, since the
-model is shared. Weight updates from the trainer need no serialization.
+model is shared. Weight updates from the trainer need no serialization. That thread is
+the process's compute thread: a run trains on it too (:meth:`EmbeddedEngine.run_compute`),
+so one OpenMP pool serves all the heavy work (:mod:`miles_core.config.thread_plan`).
 
 ``--offload-rollout``: :meth:`EmbeddedEngine.release_memory` releases the storages of the
 pipeline's modules (:class:`~miles_core.memory.OffloadedStorages`: host copies, tensors
@@ -17,15 +19,16 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.sampler import ConditioningCache, sample
+from miles_core.engine.torch_threads import pin_current_thread
 from miles_core.errors import (
     EngineReleasedError,
     GenerationCancelled,
@@ -41,6 +44,7 @@ from miles_core.sde import SdeBackend
 from miles_core.weights import load_component_from_disk, load_named_tensors, module_checksum
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("generation_cancel", default=None)
 """The cancel flag of the :meth:`EmbeddedEngine.generate` call running in this context: a
@@ -118,15 +122,10 @@ class EmbeddedEngine(RolloutEngine):
                 raise
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
-        # One thread of the engine's own: requests run one at a time anyway (the lock), and
-        # waiting ones must not fill the event loop's default pool, which the rewards use
-        # to score returned microgroups while the rest generates (streaming scoring).
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-engine")
         cancel = threading.Event()
         context = contextvars.copy_context()
         context.run(_CANCEL.set, cancel)
-        job = asyncio.get_running_loop().run_in_executor(self._executor, context.run, self.generate_sync, request)
+        job = asyncio.get_running_loop().run_in_executor(self._worker(), context.run, self.generate_sync, request)
         try:
             return await job
         except asyncio.CancelledError:
@@ -135,6 +134,35 @@ class EmbeddedEngine(RolloutEngine):
             # model for the requests behind it.
             cancel.set()
             raise
+
+    def _worker(self) -> ThreadPoolExecutor:
+        # One thread of the engine's own: requests run one at a time anyway (the lock), and
+        # waiting ones must not fill the event loop's default pool, which the rewards use
+        # to score returned microgroups while the rest generates (streaming scoring).
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-engine")
+        return self._executor
+
+    def pin_compute_threads(self, threads: int) -> None:
+        """Give the engine's worker thread (started now if it is not yet) ``threads`` torch
+        threads. torch then starts new threads with that count too: the caller sets the
+        count other threads get afterwards (the run's thread plan does)."""
+        self._worker().submit(pin_current_thread, threads).result()
+
+    def _exclusive(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
+
+    async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine's thread, between requests (the trainer's
+        steps: the same thread, so the same OpenMP pool, as generation)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker(), contextvars.copy_context().run, self._exclusive, fn, *args)
+
+    def run_compute_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`run_compute` for a caller outside an event loop (never the engine's own
+        thread): blocks until ``fn(*args)`` has run there."""
+        return self._worker().submit(self._exclusive, fn, *args).result()
 
     async def close(self) -> None:
         if self._executor is not None:

@@ -163,7 +163,8 @@ def start_engine(
 
 def serve_arguments(config: Any) -> list[str]:
     """The ``serve-engine`` arguments of a run's engines, but the device (each host's
-    own): the run's family, dtype, weight-update bucket size and ``--deterministic-mode``."""
+    own): the run's family, dtype, weight-update bucket size, ``--deterministic-mode`` and
+    ``--compile``."""
     args = ["--update-weight-buffer-size", str(config.update_weight_buffer_size)]
     if config.diffusion_model_family:
         args += ["--diffusion-model-family", config.diffusion_model_family]
@@ -171,6 +172,8 @@ def serve_arguments(config: Any) -> list[str]:
         args += ["--dtype", config.diffusion_forward_dtype]
     if config.deterministic_mode:
         args.append("--deterministic-mode")
+    if config.get("compile"):
+        args.append("--compile")
     if accepts_ipc_weights(config):
         args.append("--accept-ipc-weights")
     return args
@@ -248,14 +251,18 @@ class EngineFleet:
         return fleet
 
     @classmethod
-    def from_config(cls, config: Any, log_dir: str | Path, *, api_key: str | None = None) -> EngineFleet:
+    def from_config(
+        cls, config: Any, log_dir: str | Path, *, api_key: str | None = None, threads: int | None = None, extra_args: Sequence[str] = ()
+    ) -> EngineFleet:
         """The run's fleet: ``--rollout-num-engines`` servers of ``--hf-checkpoint`` with the
         run's family, dtype and weight-update bucket size, on this machine's device,
-        requiring ``api_key`` (the run's secret)."""
+        requiring ``api_key`` (the run's secret), each with ``threads`` torch threads (the
+        thread plan's share; None: torch's default). ``extra_args``: further serve-engine
+        arguments (the run's ``--prompt-embeddings`` manifest)."""
         from miles_core.model_loading import model_device
 
-        args = ["--device", model_device(), *serve_arguments(config)]
-        return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args, api_key=api_key)
+        args = ["--device", model_device(), *serve_arguments(config), *extra_args]
+        return cls.start(config.hf_checkpoint, config.rollout_num_engines, log_dir, *args, api_key=api_key, threads=threads)
 
     def restart(self, index: int, timeout: float = 300.0) -> str:
         """Replace engine ``index``: SIGKILL it if it still runs (it is dead or hung: nothing

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,22 +25,33 @@ from miles_core.family import Conditioning, GenerationParams, Latents, ModelFami
 from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.sde import OdeBackend, SdeBackend, StreamStep, score_streams, step_streams
 
+if TYPE_CHECKING:
+    from miles_core.engine.prompt_store import PromptStore
+
 
 class ConditioningCache:
     """Recently encoded prompts, so the microgroups of one prompt group (and repeated
     evaluation prompts) encode their prompt once. Families encode with frozen text
     encoders, never with a trainable component; as a safety net the engine still clears
     the cache whenever it receives weights. A cached encoding is the tensor a new encode
-    would give, so results do not depend on the cache (a test checks it)."""
+    would give, so results do not depend on the cache (a test checks it).
 
-    def __init__(self, max_entries: int = 64) -> None:
+    ``store``: a :class:`~miles_core.engine.prompt_store.PromptStore` (a run's
+    ``--precompute-prompt-embeddings``) consulted first; it survives :meth:`clear`, since
+    it holds encodings of frozen text encoders only, and a prompt missing from it is an
+    error (its encoders are freed)."""
+
+    def __init__(self, max_entries: int = 64, store: PromptStore | None = None) -> None:
         self.max_entries = max_entries
+        self.store = store
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[tuple, Conditioning] = OrderedDict()
         self._lock = threading.Lock()
 
     def encode(self, family: ModelFamily, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
+        if self.store is not None:
+            return self.store.get(prompt, negative_prompt, params)
         key = (prompt, negative_prompt, repr(params))
         with self._lock:
             if key in self._entries:
@@ -57,6 +69,13 @@ class ConditioningCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the encodings it holds (not the store's)."""
+        with self._lock:
+            parts = [part for cond in self._entries.values() for part in (cond.positive, cond.negative or {})]
+        return sum(t.numel() * t.element_size() for part in parts for t in part.values())
 
 
 def sample(

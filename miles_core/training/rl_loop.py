@@ -111,6 +111,10 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     log_rollout = custom_log_function(config)
     log_eval = custom_log_function(config, evaluation=True)
     engine_weights = nullcontext if remote else policy_weights  # the embedded engine samples the trainer's modules
+    # The thread plan's compute thread: the embedded engine's, so training and generation
+    # share one OpenMP pool (two pools on few cores slow every op down).
+    plan = run.thread_plan
+    on_engine_thread = isinstance(engine, EmbeddedEngine) and plan is not None and plan.shared_compute_thread
     # Builds the evaluation reward now: one that cannot be built stops the run before its first rollout.
     evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
     samples_dir = out / "samples"
@@ -176,7 +180,22 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
             unit = "micro-batch" if run.loss_spec.trains_on == "sde_transitions" else "step"
             run.settled = None  # mid-step the trainer holds no rollout's end state: nothing to checkpoint
             with progress.training(trainer, f"train {rollout_id + 1}/{total}", unit):
-                metrics.update(trainer.train_rollout(train_samples, advantages, lr_at))
+                if on_engine_thread:
+                    trainer.stop_requested.clear()  # a stop that came after an earlier rollout's last micro-batch
+                    job = asyncio.ensure_future(engine.run_compute(trainer.train_rollout, train_samples, advantages, lr_at))
+                    try:
+                        metrics.update(await asyncio.shield(job))
+                    except asyncio.CancelledError:
+                        # Stopped (Ctrl-C): the compute thread stops after its micro-batch, not
+                        # the rollout; wait for it, so that nothing closes the engine or hands the
+                        # caller its threads back while it still writes the weights.
+                        trainer.stop_requested.set()
+                        await asyncio.wait([job])
+                        if not job.cancelled():
+                            job.exception()  # TrainingStopped, or the rollout's end: superseded by the stop
+                        raise
+                else:
+                    metrics.update(trainer.train_rollout(train_samples, advantages, lr_at))
             if config.save_debug_train_data:
                 save_train_data(
                     config.save_debug_train_data, rollout_id, train_samples, train_rewards, advantages, trainer.last_pairs, metrics

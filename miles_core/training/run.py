@@ -14,6 +14,7 @@ loops (:mod:`.rl_loop`, :func:`.sft.sft_rollouts`, chosen by :mod:`.loops`), sco
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -32,11 +33,13 @@ from miles_core.model_loading import load_family
 from miles_core.plugin_manager import loss_spec
 from miles_core.specs import LossSpec
 from miles_core.training.loops import rollouts, rolls_out
+from miles_core.training.prompt_embeddings import precompute_prompt_embeddings
 from miles_core.training.run_context import RunContext
 from miles_core.training.run_directory import output_directory, save_weights
 from miles_core.training.run_engine import check_engine_key, create_run_engine, start_fleet, started_servers
 from miles_core.training.run_state import restore_run_state, save_run_state
 from miles_core.training.run_summary import final_summary, rollout_line
+from miles_core.training.threads import caller_threads, hand_compute_to_engine, on_compute_thread, run_thread_plan
 
 Log = Callable[[str], None]
 EngineFactory = Callable[[Config], RolloutEngine]
@@ -145,9 +148,13 @@ async def prepare_run(
     # --rollout-num-engines (and the embedded engine under --use-ray): the run starts its
     # engine servers once its output folder exists.
     own_fleet = generates and started_servers(config) > 0
-    engine = (engine_factory or create_run_engine)(config) if generates and not own_fleet else None
+    restore_threads = caller_threads()
+    thread_plan = run_thread_plan(config, rolls_out=not supervised, log=log)
+    engine = None
     fleet = None
     try:
+        engine = (engine_factory or create_run_engine)(config) if generates and not own_fleet else None
+        hand_compute_to_engine(thread_plan, engine)
         if engine is not None and config.get("rollout_engine_urls"):  # servers started by hand refuse a wrong key now
             await check_engine_key(engine)
         if cluster is not None:
@@ -170,11 +177,20 @@ async def prepare_run(
             from miles_core.training.lr_schedule import resume_schedule
 
             schedule = resume_schedule(config, schedule, log)
+        # On the compute thread: the encodings are the calls the engine would make, at its thread count.
+        await on_compute_thread(
+            thread_plan,
+            engine,
+            functools.partial(
+                precompute_prompt_embeddings, config, records, engine=engine, trainer=trainer, out=out, supervised=supervised, log=log
+            ),
+        )
         if own_fleet:
-            engine, fleet = start_fleet(config, out, log, cluster)
+            engine, fleet = start_fleet(config, out, log, cluster, threads=thread_plan.engine_server_threads)
     except BaseException:
         if engine is not None:
             await engine.close()
+        restore_threads()
         raise
     return RunContext(
         config=config,
@@ -194,6 +210,8 @@ async def prepare_run(
         fleet=fleet,
         log=log,
         on_phase=on_phase,
+        thread_plan=thread_plan,
+        restore_threads=restore_threads,
     )
 
 

@@ -60,6 +60,11 @@ class RunContext:
     the RL loop enters, once its turn is taken, with this process's memory audit there
     (a :class:`~miles_core.memory.MemoryReport`, :func:`~miles_core.training.offload.run_memory_report`)."""
     log: Callable[[str], None] = print
+    thread_plan: Any = None
+    """The run's :class:`~miles_core.config.thread_plan.ThreadPlan`; with
+    ``shared_compute_thread`` the RL loop trains on the embedded engine's thread."""
+    restore_threads: Callable[[], None] | None = None
+    """Gives the caller's thread its torch thread count back; :meth:`close` calls it."""
     settled: int | None = None
     """The last rollout whose end state the trainer holds: its train phase is over (its
     optimizer steps applied, or none to apply). None while a rollout's optimizer steps
@@ -79,3 +84,5 @@ class RunContext:
             await self.engine.close()
         if self.fleet is not None:
             await asyncio.to_thread(self.fleet.stop)
+        if self.restore_threads is not None:
+            self.restore_threads()

@@ -80,17 +80,21 @@ async def check_engine_key(engine: Any) -> None:
         await check()
 
 
-def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: Any = None) -> tuple[Any, Any]:
+def start_fleet(
+    config: Config, out: Path, log: Callable[[str], None], cluster: Any = None, *, threads: int | None = None
+) -> tuple[Any, Any]:
     """Start ``--rollout-num-engines`` serve-engine servers (logs under ``out/engines``;
     under ``--use-ray`` each on its Ray actor) and an
     :class:`~miles_core.engine.http.HttpEngine` over them; under ``--use-ray`` the
     sglang-diffusion servers on their actors (work directory ``out/sglang``) and an
     :class:`~miles_core.engine.sglang.SglangEngine` over them. They (and the router) all
-    require a secret made here, which the client returned holds (``api_key``)."""
+    require a secret made here, which the client returned holds (``api_key``). ``threads``:
+    torch threads of each serve-engine server started on this machine (the thread plan's)."""
     from miles_core.engine.auth import new_secret
     from miles_core.engine.fleet import EngineFleet
     from miles_core.engine.http import FaultTolerance, HttpEngine
     from miles_core.errors import FleetError
+    from miles_core.training.prompt_embeddings import server_arguments
 
     try:
         fault_tolerance = FaultTolerance.from_config(config)
@@ -111,7 +115,11 @@ def start_fleet(config: Config, out: Path, log: Callable[[str], None], cluster: 
     # --use-miles-router: the router first, so that one that cannot start costs no engine start.
     router = _start_router(config, out, log, cluster, key) if config.get("use_miles_router") else None
     try:
-        fleet = EngineFleet.from_config(config, log_dir, api_key=key) if cluster is None else cluster.engine_fleet(log_dir, api_key=key)
+        if cluster is None:
+            preload = server_arguments(config, out)  # --precompute-prompt-embeddings: the run's store
+            fleet = EngineFleet.from_config(config, log_dir, api_key=key, threads=threads, extra_args=preload)
+        else:
+            fleet = cluster.engine_fleet(log_dir, api_key=key)
     except BaseException as exc:
         if router is not None:
             router.stop(timeout=5)

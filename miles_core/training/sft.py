@@ -68,16 +68,21 @@ def load_image(path: Path, height: int, width: int) -> torch.Tensor:
 def sft_params(family: Any, config: Any) -> GenerationParams:
     """The generation parameters SFT draws its steps from; ``--fsdp-flow-shift`` (no
     engine supplies scheduler metadata here) travels as the request's ``flow_shift``."""
+    return family.resolve_params(sft_request(config))
+
+
+def sft_request(config: Any, prompt: str = "") -> RolloutRequest:
+    """The request :func:`sft_params` resolves (``prompt`` as given): SFT encodes each
+    row's prompt with these parameters and no negative prompt."""
     shift = config.fsdp_flow_shift
-    request = RolloutRequest(
-        prompt="",
+    return RolloutRequest(
+        prompt=prompt,
         num_inference_steps=config.diffusion_num_steps,
         guidance_scale=1.0,
         height=config.diffusion_height,
         width=config.diffusion_width,
         extra_sampling_params={FLOW_SHIFT: shift} if shift is not None else {},
     )
-    return family.resolve_params(request)
 
 
 def sft_batch(

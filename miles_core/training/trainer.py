@@ -25,6 +25,7 @@ must call.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from miles_core.engine.sampler import ConditioningCache
+from miles_core.errors import TrainingStopped
 from miles_core.family import Conditioning, ModelFamily
 from miles_core.plugin_manager import loss_spec
 from miles_core.rollout.sample import Sample
@@ -171,6 +173,10 @@ class Trainer:
         """Called as ``(done, total)`` during a rollout's training: after each micro-batch
         (policy loss) or optimizer step (nft, SFT); the run's progress bar."""
         self._progress = [0, 0]
+        self.stop_requested = threading.Event()
+        """Set from another thread while :meth:`train_rollout` runs on the compute thread:
+        it stops after the current micro-batch with :class:`~miles_core.errors.TrainingStopped`.
+        The caller clears it before the call."""
         self.last_pairs: list[TrainPair] = []
         """This rank's train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
         self.ema = None
@@ -273,6 +279,9 @@ class Trainer:
         self._progress[0] += 1
         if self.on_progress is not None:
             self.on_progress(*self._progress)
+        if self.stop_requested.is_set():
+            self.stop_requested.clear()
+            raise TrainingStopped(*self._progress)
 
     def _step_windows(self, count: int) -> list[range]:
         """The sample indices of each optimizer step: ``--num-steps-per-rollout``

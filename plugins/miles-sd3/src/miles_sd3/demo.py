@@ -382,6 +382,8 @@ def build_demo_pipeline(out_dir: str | Path, *, seed: int = 0, sft_steps: int = 
                     "64",
                     "--seed",
                     str(seed),
+                    "--cpu-threads",
+                    "1",
                     "--output-dir",
                     str(Path(work) / "run"),
                 ]
