@@ -84,6 +84,8 @@ _LAZY: dict[str, str] = {
     "gemma_tokenizer": "miles_core.tiny.tokenizers",
     "qwen2_tokenizer": "miles_core.tiny.tokenizers",
     "t5_tokenizer": "miles_core.tiny.tokenizers",
+    # The mark a tiny pipeline's directory carries: commands load it without the hub's notices.
+    "mark_tiny": "miles_core.quiet",
     # Running a configuration from Python (a family's demo, a notebook).
     "resolve_config": "miles_core.config.resolve",
     "train": "miles_core.launch",

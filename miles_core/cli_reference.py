@@ -59,7 +59,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 
 
 def render(host: PluginHost) -> str:
-    from miles_core.cli import generate, list_plugins, make_tiny, router, serve_engine
+    from miles_core.cli import generate, list_plugins, make_tiny, report, router, serve_engine
     from miles_core.cli.main import COMMANDS
 
     entries = flag_entries(host.flags)
@@ -73,6 +73,7 @@ def render(host: PluginHost) -> str:
         ("serve-engine", serve_engine.build_parser(registry_names["model_family"])),
         ("router", router.build_parser()),
         ("generate", generate.build_parser(registry_names["model_family"])),
+        ("report", report.build_parser()),
     ):
         out += [f"### `miles-core {name}`\n", "```text", _usage(parser), "```", ""]
     from miles_core.cli.score import add_score_arguments

@@ -4,7 +4,8 @@ Each command catches :class:`MilesError` once and prints ``str(exc)`` as one lin
 the culprit and the rule (a traceback only with ``--debug`` or ``MILES_DEBUG=1``), then
 exits with the error's :attr:`~MilesError.exit_code`: 2 for bad input or configuration
 (:class:`InputError`: flags, YAML, prompt files, checkpoints, plugins, requests), 1 for a
-failure while running. Every class keeps the built-in parent it had before this module
+failure while running, 3 for a run that ``--guard-stop-on-alarm`` stopped
+(:class:`GuardStopError`). Every class keeps the built-in parent it had before this module
 existed, so ``except ValueError`` (or ``RuntimeError``, ``ImportError``, ...) around a
 miles-core call still catches what it caught.
 
@@ -221,6 +222,19 @@ class DebugDataError(RunError):
 
 class LoggerError(RunError):
     """A metrics logger that cannot start; the message names the flag."""
+
+
+class GuardStopError(RunError):
+    """``--guard-stop-on-alarm``: the reward-hacking guard raised an alarm at an
+    evaluation; the run saved a checkpoint and stopped (exit status 3, so scripts can
+    tell it from a failure)."""
+
+    exit_code = 3
+
+
+class ReportError(InputError, ValueError):
+    """``miles-core report``: a directory that is not a run, or a report that cannot be
+    written; the message names the path and the rule (exit status 2)."""
 
 
 class RewardError(MilesError, RuntimeError):

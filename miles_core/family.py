@@ -252,9 +252,12 @@ class ModelFamily(abc.ABC):
     def load_pipeline(cls, checkpoint: str | Path, *, dtype: Any = None, **kwargs: Any) -> DiffusionPipeline:
         """Load the family's pipeline with ``from_pretrained`` from a local directory or
         hub id (``model_index.json`` layout). A local path that does not exist is a
-        :class:`~miles_core.errors.CheckpointError` saying so, not a hub lookup."""
+        :class:`~miles_core.errors.CheckpointError` saying so, not a hub lookup. A tiny
+        pipeline loads with the hub libraries quiet, anything else with their progress
+        bars and warnings (:func:`~miles_core.quiet.quiet_hub_load`)."""
         from miles_core.errors import CheckpointError
         from miles_core.family_match import checkpoint_problem
+        from miles_core.quiet import quiet_hub_load
 
         problem = checkpoint_problem(checkpoint)
         if problem is not None:
@@ -262,7 +265,8 @@ class ModelFamily(abc.ABC):
         pipeline_cls = cls.resolve_pipeline_class()
         if dtype is not None:
             kwargs["dtype"] = dtype  # diffusers' name since 0.36 (torch_dtype is deprecated)
-        return pipeline_cls.from_pretrained(str(checkpoint), **kwargs)
+        with quiet_hub_load(checkpoint):
+            return pipeline_cls.from_pretrained(str(checkpoint), **kwargs)
 
     @classmethod
     def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:

@@ -42,14 +42,20 @@ def start_session(config: Config, *, log: Callable[[str], None] = _stderr) -> An
 
 
 async def train(config: Config, *, log: Callable[[str], None] = _stderr) -> Path:
-    """Run training; return the run directory."""
+    """Run training; return the run directory. ``log`` is the console; every line also
+    goes to ``RUN_DIR/train.log`` (:class:`~miles_core.training.run_log.RunLog`), the
+    cluster's start and stop included: the run's own ``train`` attaches the same run log
+    inside this block, and only this (outermost) block's end closes the file."""
+    from miles_core.training.run_log import RunLog
+
     if not config.get("use_ray"):
         return await train_run(config, log=log)
-    cluster = start_session(config, log=log)
-    try:
-        return await train_run(config, log=log, cluster=cluster)
-    finally:
-        cluster.close()
+    with RunLog.of(log, config).attached() as run_log:
+        cluster = start_session(config, log=run_log)
+        try:
+            return await train_run(config, log=run_log, cluster=cluster)
+        finally:
+            cluster.close()
 
 
 def run_sync(config: Config) -> Path:

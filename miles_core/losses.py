@@ -37,6 +37,7 @@ __all__ = [
     "LOSSES",
     "custom_loss",
     "flow_grpo_loss",
+    "kl_to_reference",
     "nft",
     "nft_loss",
     "policy_loss",
@@ -83,13 +84,7 @@ def flow_grpo_loss(
     if kl_beta > 0:
         if mean is None or ref_mean is None or std is None:
             raise ValueError("flow_grpo_loss: kl_beta > 0 needs mean, ref_mean and std")
-        # The reference (LoRA disabled or EMA) is a fixed target: no gradient into it.
-        sq = (mean - ref_mean.detach()) ** 2
-        s = torch.as_tensor(std, dtype=sq.dtype, device=sq.device).detach()
-        if s.ndim == 1 and s.shape[0] == sq.shape[0]:
-            s = s.reshape((-1,) + (1,) * (sq.ndim - 1))
-        per_elem = sq / (2 * s**2)
-        kl = per_elem.mean(dim=tuple(range(1, per_elem.ndim))).mean()
+        kl = kl_to_reference(mean, ref_mean, std).mean()
         loss = policy + kl_beta * kl
         metrics["kl_loss"] = kl.detach()
 
@@ -101,6 +96,18 @@ def flow_grpo_loss(
         metrics["ratio_mean"] = ratio.mean()
         metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor | float) -> Tensor:
+    """Flow-GRPO's KL term per sample, ``mean((μ_new − μ_ref)²) / (2·s²)`` over each
+    sample's elements ([B]); ``std`` as in :func:`flow_grpo_loss`. The reference (LoRA
+    disabled or EMA) is a fixed target: no gradient flows into it."""
+    sq = (mean - ref_mean.detach()) ** 2
+    s = torch.as_tensor(std, dtype=sq.dtype, device=sq.device).detach()
+    if s.ndim == 1 and s.shape[0] == sq.shape[0]:
+        s = s.reshape((-1,) + (1,) * (sq.ndim - 1))
+    per_elem = sq / (2 * s**2)
+    return per_elem.mean(dim=tuple(range(1, per_elem.ndim)))
 
 
 def nft_loss(

@@ -251,3 +251,118 @@ def assert_matched_by_content(tiny_dir: str | Path, family_name: str, workdir: s
     matched = match_family(copy, registry).name
     assert matched == family_name, f"{copy}: matched to {matched}, expected {family_name}"
     return copy
+
+
+CHROMIUM_MISSING = (
+    "Debian's chromium is not on PATH: the browser tests drive it through Playwright; install it "
+    "(as root: apt-get install -y chromium, which scripts/test.sh does) and Playwright's Python package "
+    "(.venv/bin/python -m pip install -c constraints.txt playwright)"
+)
+
+
+def artifact_dir() -> Path:
+    """Where tests keep what a person may want to look at afterwards (screenshots):
+    ``$MILES_TEST_ARTIFACTS`` when set, else ``test-artifacts/`` in the repository."""
+    import os
+
+    configured = os.environ.get("MILES_TEST_ARTIFACTS")
+    directory = Path(configured) if configured else Path(__file__).resolve().parents[1] / "test-artifacts"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+# The page's own checks, run in the browser: every chart drawn, every image decoded, every
+# video playable (canPlayType of its source's type) and playing (currentTime advances).
+_PAGE_CHECKS = """async () => {
+  const charts = [...document.querySelectorAll('svg.chart')].map((svg, i) => {
+    const box = svg.getBoundingClientRect();
+    return {i, width: box.width, height: box.height, lines: svg.querySelectorAll('path, polyline').length};
+  });
+  const images = [...document.images].map(img => ({src: img.currentSrc.slice(0, 80), width: img.naturalWidth, complete: img.complete}));
+  const videos = [];
+  for (const video of document.querySelectorAll('video')) {
+    const source = video.querySelector('source');
+    const type = source ? source.type : '';
+    const entry = {type, canPlay: type ? video.canPlayType(type) : '', start: video.currentTime, end: null, error: null};
+    try {
+      video.muted = true;
+      await video.play();
+      const until = performance.now() + 5000;
+      while (video.currentTime <= entry.start && performance.now() < until) await new Promise(r => setTimeout(r, 50));
+      entry.end = video.currentTime;
+      video.pause();
+    } catch (e) { entry.error = String(e); }
+    videos.push(entry);
+  }
+  return {charts, images, videos};
+}"""
+
+
+def check_report_in_browser(
+    report: str | Path, screenshot: str | Path, *, min_charts: int = 1, min_images: int = 0, min_videos: int = 0
+) -> dict[str, Any]:
+    """Open ``report`` (an HTML file) in Debian's Chromium through Playwright (no browser
+    download) and assert that it loads with no console error, no page error and no request
+    beyond the file itself and data: URIs (besides files next to it); that at least
+    ``min_charts`` SVG charts are drawn (each with a non-empty box and a line), every image
+    decodes (natural width > 0; at least ``min_images``), and every video (at least
+    ``min_videos``) can play its source's type and advances when played. Saves a full-page
+    screenshot to ``screenshot``; returns what the page reported."""
+    import shutil
+
+    import pytest
+
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail(CHROMIUM_MISSING, pytrace=False)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail(CHROMIUM_MISSING, pytrace=False)
+    report = Path(report).resolve()
+    problems: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=executable, args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on(
+                "console", lambda message: problems.append(f"console {message.type}: {message.text}") if message.type == "error" else None
+            )
+            page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+
+            def request(req: Any) -> None:
+                if not req.url.startswith(("file://", "data:")):
+                    problems.append(f"request beyond the file: {req.url}")
+
+            page.on("request", request)
+            page.goto(report.as_uri(), wait_until="load")
+            found = page.evaluate(_PAGE_CHECKS)
+            Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(screenshot), full_page=True)
+        finally:
+            browser.close()
+    charts, images, videos = found["charts"], found["images"], found["videos"]
+    problems += [f"chart {c['i']} not drawn: {c}" for c in charts if not (c["width"] > 0 and c["height"] > 0 and c["lines"] > 0)]
+    problems += [f"image not loaded: {i}" for i in images if not (i["complete"] and i["width"] > 0)]
+    problems += [f"video cannot play: {v}" for v in videos if not v["canPlay"] or v["error"] or not (v["end"] or 0) > v["start"]]
+    for what, count, least in (
+        ("charts", len(charts), min_charts),
+        ("images", len(images), min_images),
+        ("videos", len(videos), min_videos),
+    ):
+        if count < least:
+            problems.append(f"{count} {what}, expected at least {least}")
+    assert not problems, f"{report}:\n" + "\n".join(problems)
+    return found
+
+
+def check_run_report(run_dir: str | Path, screenshot_name: str, **least: int) -> dict[str, Any]:
+    """Write ``run_dir``'s report (``RUN_DIR/report.html``, as ``miles-core report`` does) and
+    check it in the browser (:func:`check_report_in_browser`, ``least``: its ``min_*``
+    counts), keeping the screenshot as ``screenshot_name`` under :func:`artifact_dir`."""
+    from miles_core.report import write_report
+
+    out = write_report([Path(run_dir)], Path(run_dir) / "report.html")
+    return check_report_in_browser(out, artifact_dir() / screenshot_name, **least)

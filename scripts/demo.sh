@@ -2,7 +2,8 @@
 # The main job: install everything, list the plugins, write a tiny offline pipeline of
 # every model family under runs/tiny/, build the SD3 demo pipeline (cached after the
 # first build), and train it with Flow-GRPO and LoRA on a colourfulness reward with the
-# embedded engine, evaluating held-out prompts with fixed seeds before and after.
+# embedded engine, evaluating held-out prompts with fixed seeds before and after; the run
+# writes its HTML report (report.html), whose path is the last line printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -26,11 +27,9 @@ fi
 echo
 echo "Flow-GRPO with LoRA on the SD3 demo pipeline (tiny and synthetic: for watching the machinery):"
 run_dir="runs/demo-$(date +%Y%m%d-%H%M%S)"
-$miles train --hf-checkpoint "$demo" --diffusion-model-family sd3 \
-  --prompt-data examples/prompts/demo-train.jsonl --rollout-batch-size 2 --n-samples-per-prompt 8 \
-  --rollout-microgroup-size 8 --num-steps-per-rollout 2 --diffusion-num-steps 8 --diffusion-num-sde-steps 7 \
-  --diffusion-guidance-scale 1.0 --use-lora --lora-rank 16 --lora-alpha 32 --lr 3e-3 --diffusion-clip-range 0.2 \
-  --micro-batch-size 8 --rm-type colorfulness --num-rollout 40 \
-  --eval-interval 10 --eval-prompt-data held-out examples/prompts/demo-eval.jsonl --n-samples-per-eval-prompt 4 \
-  --output-dir "$run_dir"
-echo "run: $run_dir (metrics.jsonl, config.yaml, lora/, samples/eval_held-out_before_after.png)"
+# The training flags live in examples/demo/train.flags, which tests/test_learning.py runs
+# too (the guard's diversity alarm is measured on exactly this configuration).
+mapfile -t train_flags < <(sed -e 's/#.*//' examples/demo/train.flags | tr -s ' \t' '\n' | sed '/^$/d')
+$miles train --hf-checkpoint "$demo" "${train_flags[@]}" --output-dir "$run_dir"
+echo "run: $run_dir (metrics.jsonl, config.yaml, train.log, guard.jsonl, lora/, samples/)"
+echo "report: $run_dir/report.html (open it in a browser; miles-core report RUN_DIR [RUN_DIR ...] rewrites or compares)"

@@ -5,6 +5,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
+
+# The run report's browser tests drive Debian's chromium through Playwright (never a
+# downloaded browser): both are test-only, so they are installed here, not by install.sh.
+# Without them the browser tests fail, saying how to install them.
+source scripts/apt_package.sh
+ensure_apt_package chromium chromium "the run report's browser tests"
+# Playwright's Python package only: the browser is Debian's, never one Playwright downloads.
+.venv/bin/python -c "import playwright" 2>/dev/null \
+  || .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt playwright \
+  || echo "test.sh: warning: pip install playwright failed; the report's browser tests need it" >&2
 bash scripts/lint.sh || lint_failed=1
 
 export MILES_STRICT_PLUGINS=1

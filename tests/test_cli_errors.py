@@ -61,7 +61,7 @@ def test_debug_prints_the_traceback_and_the_line(broken_plugin):
 
 
 def test_exit_codes_follow_the_error_kind():
-    """Every error class keeps its built-in parent; input errors exit 2, failures 1."""
+    """Every error class keeps its built-in parent; input errors exit 2, failures 1, a guard stop 3."""
     assert issubclass(errors.ConfigError, ValueError) and errors.ConfigError.exit_code == 2
     assert issubclass(errors.PromptDataError, ValueError) and errors.PromptDataError.exit_code == 2
     assert issubclass(errors.RunError, RuntimeError) and errors.RunError.exit_code == 2
@@ -71,7 +71,9 @@ def test_exit_codes_follow_the_error_kind():
     assert issubclass(errors.ComponentLoadError, ImportError) and errors.ComponentLoadError.exit_code == 2
     everything = [value for value in vars(errors).values() if isinstance(value, type) and issubclass(value, Exception)]
     assert all(issubclass(cls, errors.MilesError) for cls in everything)
-    assert {cls.exit_code for cls in everything} == {1, 2}
+    assert {cls.exit_code for cls in everything} == {1, 2, 3}
+    # 3 is the reward-hacking guard's deliberate stop (--guard-stop-on-alarm), nothing else's.
+    assert [cls for cls in everything if cls.exit_code == 3] == [errors.GuardStopError]
 
 
 def test_a_failure_while_running_exits_1_with_one_line(tmp_path, capsys):

@@ -444,7 +444,7 @@ def test_eval_interval_and_skipping_the_first_evaluation(tiny_sd3, prompts, tmp_
                 *extra,
             ]
         )
-        grids = sorted(p.name for p in (tmp_path / name / "samples").iterdir())
+        grids = sorted(p.name for p in (tmp_path / name / "samples").glob("*.png"))  # the grids (samples/eval/: the archive)
         return ["eval/shapes/reward_mean" in r for r in records], grids
 
     # Every 2nd rollout and after the last; the evaluation before training lands in the first record.

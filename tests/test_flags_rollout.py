@@ -8,6 +8,7 @@ the tiny SD3 pipeline with two or three denoising steps at 32x32.
 from __future__ import annotations
 
 import asyncio
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -408,17 +409,29 @@ def test_noise_is_drawn_on_the_cpu_and_the_model_goes_where_a_gpu_is(tiny_sd3, m
 
 
 @pytest.mark.exercises("--diffusion-fps")
-def test_fps_sets_the_frame_duration_of_logged_videos(tmp_path):
+def test_fps_sets_the_frame_duration_of_logged_videos(tmp_path, monkeypatch):
+    import imageio.v3 as iio
     from PIL import Image
 
     from miles_core.training.metrics_logging import WandbLogger
 
     frames = (torch.rand(4, 8, 8, 3) * 255).to(torch.uint8).numpy()
+
+    def logged(fps):
+        stub = SimpleNamespace(
+            config=SimpleNamespace(diffusion_fps=fps),
+            media_dir=SimpleNamespace(name=str(tmp_path)),
+            wandb=SimpleNamespace(Video=lambda path, caption, format: path),
+        )
+        return WandbLogger._video(stub, frames, f"fps_{fps}", "a caption")
+
+    # MP4 (the video extra): the stream's rate is --diffusion-fps; unset: 8.
+    assert iio.immeta(logged(20.0), plugin="FFMPEG")["fps"] == 20.0
+    assert iio.immeta(logged(None), plugin="FFMPEG")["fps"] == 8.0
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # no video extra: animated GIFs
     durations = {}
     for fps in (4.0, 20.0, None):
-        stub = SimpleNamespace(config=SimpleNamespace(diffusion_fps=fps), media_dir=SimpleNamespace(name=str(tmp_path)))
-        path = WandbLogger._gif(stub, frames, rollout_id=int(fps or 0), index=0)
-        with Image.open(path) as gif:
+        with Image.open(logged(fps)) as gif:
             assert gif.n_frames == 4
             durations[fps] = gif.info["duration"]
     # 1000 / fps ms per frame (GIF stores centiseconds); unset: 8 fps, 125 ms.

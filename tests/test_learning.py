@@ -1,100 +1,134 @@
-"""A run that learns: Flow-GRPO with LoRA raises a weight-free reward on the SD3 demo
-pipeline (its VAE decodes something meaningful; see docs/guide.md), judged by a paired
-evaluation: the same held-out prompts and seeds before and after training.
+"""A run that learns, and the reward-hacking guard that watches it: Flow-GRPO with LoRA
+raises a weight-free reward on the SD3 demo pipeline (its VAE decodes something
+meaningful; see docs/guide.md), judged by a paired evaluation (the same held-out prompts
+and seeds before and after training), and on the way its held-out samples collapse toward
+one pattern, which the guard reports (docs/guide.md, "Reward-hacking guard").
 
-How the margin was chosen: with exactly this configuration (20 rollouts, colorfulness,
-4 held-out prompts x 4 samples) the paired gain measured on 2026-11-29 was 0.068,
-0.108, 0.093 and 0.068 for seeds 0 to 3 (per-sample std of the gain about 0.04; the
-initial mean is about 0.32). The test runs seed 0 and requires a gain above 0.03, less
-than half the smallest gain measured, and a control run with a zero learning rate must
-show no gain at all.
+Both run the demo's own configuration: the flags scripts/demo.sh trains with, read from the
+file it reads them from (examples/demo/train.flags: 40 rollouts, colorfulness, an
+evaluation every 10 rollouts, 4 held-out prompts x 4 samples, the default seeds
+``--seed 1234 --rollout-seed 42``), once learning and once with
+``--debug-skip-optimizer-step`` (the control: frozen weights, so every evaluation is the
+first one again, bit for bit). The module runs each once and every test reads them.
+
+How the margins were chosen, measured on 2026-12-02 with exactly this configuration at one
+torch thread (the same numbers on every run on one machine: the seeds fix every sample),
+at the default seeds and, for how much they vary, at three other seed pairs
+(``--seed N --rollout-seed N``):
+
+- paired gain after 10, 20, 30, 40 rollouts: 0.031, 0.092, 0.092, 0.131 (default seeds);
+  0.020, 0.068, 0.117, 0.127 (0); 0.035, 0.108, 0.136, 0.166 (1); final 0.169 (2) and
+  0.168 (3), the initial held-out mean about 0.34. The test requires a final gain above
+  0.03, under a quarter of the smallest final gain; the frozen run's gain is exactly 0.
+- held-out diversity drift (in spreads of the first evaluation, docs/guide.md
+  "Reward-hacking guard"): -1.83, -3.00, -3.78, -3.72 (default seeds); -0.55, -1.71,
+  -2.04, -2.70 (0); -1.29, -1.62, -2.06, -1.99 (1); -1.33, -1.40, -1.67, -1.86 (2);
+  -1.68, -2.00, -2.06, -2.27 (3). With the default threshold 2.0 the demo's run raises
+  the diversity alarm at rollouts 20, 30 and 40, 1.7 spreads past the threshold at 40:
+  the test requires it at the last evaluation. Diversity (the mean pairwise distance)
+  fell by 24 to 31% by rollout 40 on every seed pair; the threshold stays 2.0 (seed pair
+  2 stays under it, and a lower default would fire sooner on runs that do not collapse;
+  the guide says how to tune it). The frozen run's image-statistic drifts are exactly 0
+  and its KL exactly 0 (after its first rollout; none is measured before), so it raises
+  no alarm whatever the threshold.
 """
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
 from miles_core.config.resolve import resolve_config
 from miles_core.training.run import train
 
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_FLAGS = ROOT / "examples" / "demo" / "train.flags"
+
+
+def demo_flags() -> list[str]:
+    """scripts/demo.sh's training flags, read as the script reads them (words split on
+    whitespace, ``#`` comments), paths made absolute."""
+    words = [word for line in DEMO_FLAGS.read_text().splitlines() for word in line.split("#")[0].split()]
+    return [str(ROOT / word) if word.startswith("examples/") else word for word in words]
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     from miles_sd3.demo import build_demo_pipeline
 
-    root = build_demo_pipeline(tmp_path_factory.mktemp("demo") / "sd3-demo", seed=0)
-    prompts = sorted({json.loads(line)["input"] for line in (root / "demo_data" / "sft.jsonl").read_text().splitlines()})
-    data = tmp_path_factory.mktemp("prompts")
-    (data / "train.jsonl").write_text("".join(json.dumps({"input": p}) + "\n" for p in prompts[:8]))
-    (data / "held.jsonl").write_text("".join(json.dumps({"input": p}) + "\n" for p in prompts[8:12]))
-    return root, data
+    return build_demo_pipeline(tmp_path_factory.mktemp("demo") / "sd3-demo", seed=0)
 
 
-def grpo(demo, out, lr):
-    root, data = demo
-    config = resolve_config(
-        [
-            "--hf-checkpoint",
-            str(root),
-            "--diffusion-model-family",
-            "sd3",
-            "--prompt-data",
-            str(data / "train.jsonl"),
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "8",
-            "--rollout-microgroup-size",
-            "8",
-            "--num-steps-per-rollout",
-            "2",
-            "--diffusion-num-steps",
-            "8",
-            "--diffusion-num-sde-steps",
-            "7",
-            "--diffusion-guidance-scale",
-            "1.0",
-            "--use-lora",
-            "--lora-rank",
-            "16",
-            "--lora-alpha",
-            "32",
-            "--lr",
-            str(lr),
-            "--diffusion-clip-range",
-            "0.2",
-            "--rm-type",
-            "colorfulness",
-            "--num-rollout",
-            "20",
-            "--eval-interval",
-            "20",
-            "--eval-prompt-data",
-            "held",
-            str(data / "held.jsonl"),
-            "--n-samples-per-eval-prompt",
-            "4",
-            "--micro-batch-size",
-            "8",
-            "--seed",
-            "0",
-            "--rollout-seed",
-            "0",
-            "--output-dir",
-            str(out),
-        ]
-    )
-    path = asyncio.run(train(config, log=lambda line: None))
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()][-1]
+def demo_run(root, out, *extra):
+    """scripts/demo.sh's training run, its seeds included; its records and the lines it logged."""
+    config = resolve_config(["--hf-checkpoint", str(root), *demo_flags(), "--output-dir", str(out), *extra])
+    lines: list[str] = []
+    path = asyncio.run(train(config, log=lines.append))
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return records, lines, path
 
 
-def test_grpo_raises_colorfulness_on_held_out_prompts(demo, tmp_path):
-    last = grpo(demo, tmp_path / "learn", 3e-3)
-    print(f"paired gain {last['eval/held/paired_gain']:.4f} (std {last['eval/held/paired_gain_std']:.4f})")
-    assert last["eval/held/paired_gain"] > 0.03
+@pytest.fixture(scope="module")
+def learning(demo, tmp_path_factory):
+    return demo_run(demo, tmp_path_factory.mktemp("learn") / "run")
 
 
-def test_without_learning_there_is_no_gain(demo, tmp_path):
-    last = grpo(demo, tmp_path / "frozen", 0.0)
-    assert last["eval/held/paired_gain"] == 0.0
+@pytest.fixture(scope="module")
+def frozen(demo, tmp_path_factory):
+    return demo_run(demo, tmp_path_factory.mktemp("frozen") / "run", "--debug-skip-optimizer-step")
+
+
+def evaluations(records):
+    return [r for r in records if "guard/alarms" in r]
+
+
+def test_grpo_raises_colorfulness_on_held_out_prompts(learning):
+    last = learning[0][-1]
+    print(f"paired gain {last['eval/held-out/paired_gain']:.4f} (std {last['eval/held-out/paired_gain_std']:.4f})")
+    assert last["eval/held-out/paired_gain"] > 0.03
+
+
+def test_without_learning_there_is_no_gain(frozen):
+    last = frozen[0][-1]
+    assert last["eval/held-out/paired_gain"] == 0.0
+
+
+def test_the_guard_raises_the_diversity_alarm_as_the_samples_collapse(learning):
+    records, lines, path = learning
+    checked = evaluations(records)
+    assert [r["rollout_id"] for r in checked] == [0, 9, 19, 29, 39]  # before training, then every 10 rollouts
+    drifts = [r["guard/held-out/diversity/drift"] for r in checked]
+    print("diversity drift per evaluation", [round(d, 2) for d in drifts])
+    raised = [r for r in checked if r["guard/held-out/diversity/alarm"] > 0]
+    assert raised and raised[-1] is checked[-1], f"no diversity alarm at rollout 40; drifts {drifts}"
+    alarms = [json.loads(line) for line in (path / "guard.jsonl").read_text().splitlines()]
+    diversity = [a for a in alarms if a["statistic"] == "diversity"]
+    assert [a["rollout_id"] for a in diversity] == [r["rollout_id"] for r in raised]
+    for alarm, record in zip(diversity, raised):
+        assert alarm["eval_set"] == "held-out" and alarm["drift"] == record["guard/held-out/diversity/drift"]
+        assert alarm["drift"] < -alarm["threshold"] and alarm["value"] < alarm["baseline"]
+        assert alarm["trained_rollouts"] == record["rollout_id"] + 1
+        assert alarm["message"] in lines  # the console line
+        assert alarm["message"].startswith("guard: alarm: held-out diversity fell ")
+    assert sum(r["guard/alarms"] for r in checked) == len(alarms)
+
+
+def test_a_frozen_run_raises_no_alarm(frozen):
+    records, lines, path = frozen
+    checked = evaluations(records)
+    assert len(checked) == 5 and all(r["guard/alarms"] == 0.0 for r in checked)
+    assert not (path / "guard.jsonl").exists() and not [line for line in lines if line.startswith("guard: alarm")]
+    # Frozen weights: every evaluation is the first one again, bit for bit, and the policy is the reference.
+    for record in checked:
+        for key, value in record.items():
+            if key.startswith("guard/held-out/") and key.endswith("/drift") and "reward_gap" not in key:
+                assert value == 0.0, key
+        # The KL: not measured before a rollout trained (no transitions yet), then exactly 0.
+        assert record.get("guard/kl") == (None if record["rollout_id"] == 0 else 0.0)
+
+
+def test_the_demo_script_trains_with_the_shared_flags():
+    script = (ROOT / "scripts" / "demo.sh").read_text()
+    assert "examples/demo/train.flags" in script and '"${train_flags[@]}"' in script
+    assert "--rm-type" not in script and "--num-rollout" not in script  # no second copy of a flag to drift apart

@@ -172,8 +172,11 @@ def test_wandb_offline_run_logs_scalars_step_series_and_images(tiny_sd3, prompts
     assert summary["rollout/reward/raw_mean"] == pytest.approx(records[-1]["rollout/reward/raw_mean"], rel=1e-12)
 
 
-def test_wandb_video_is_a_pillow_gif(tmp_path, wandb_env):
+def test_wandb_videos_are_mp4_else_pillow_gifs(tmp_path, wandb_env, monkeypatch):
     from types import SimpleNamespace
+
+    import imageio.v3 as iio
+    from PIL import Image
 
     from miles_core.training.metrics_logging import WandbLogger
 
@@ -191,11 +194,14 @@ def test_wandb_video_is_a_pillow_gif(tmp_path, wandb_env):
     assert logger.run.name.startswith("my-run-") and len(logger.run.name) == len("my-run-") + 6
     video = torch.rand(3, 5, 16, 16)  # [C, F, H, W]
     sample = SimpleNamespace(prompt="a spinning cube", reward=0.5, pixels=video)
-    logger.log({"rollout_id": 0, "rollout/reward/raw_mean": 0.5}, [sample])
+    logger.log({"rollout_id": 0, "rollout/reward/raw_mean": 0.5}, [sample])  # the video extra: H.264 MP4
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # without it: an animated GIF (Pillow)
+    logger.log({"rollout_id": 1, "rollout/reward/raw_mean": 0.5}, [sample])
     logger.finish()
-    (gif,) = (wandb_env / "wandb").glob("offline-run-*/files/media/videos/**/*.gif")
-    from PIL import Image
-
+    monkeypatch.undo()  # the video extra back, to read the MP4
+    media = next((wandb_env / "wandb").glob("offline-run-*/files/media/videos"))
+    (mp4,), (gif,) = media.rglob("*.mp4"), media.rglob("*.gif")
+    assert iio.imread(mp4, plugin="FFMPEG", index=None).shape == (5, 16, 16, 3)
     with Image.open(gif) as image:
         assert image.n_frames == 5 and image.size == (16, 16)
 

@@ -167,9 +167,10 @@ def test_a_run_stopped_while_it_trains_stops_the_compute_thread_after_one_micro_
         STOP.update(loop=asyncio.get_running_loop(), task=asyncio.current_task())
         await train(resolve_config(argv), log=log)
 
+    before = set(threading.enumerate())  # engine threads other tests left idle are not this run's
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(run())
-    for thread in threading.enumerate():
+    for thread in set(threading.enumerate()) - before:
         if thread.name.startswith("embedded-engine"):
             thread.join(30)
     # 2 prompts x 4 samples x 2 SDE steps = 16 micro-batches; the stop lands during the first.

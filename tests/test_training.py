@@ -10,7 +10,7 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.training.run import train
-from tests.tiny_runs import run_metrics, tiny_run_args
+from tests.tiny_runs import frozen_trainer_and_rollout, run_metrics, tiny_run_args
 
 
 def run(tiny_sd3, prompts, out, *extra):
@@ -50,52 +50,14 @@ def test_alignment_probe_is_exactly_zero(tiny_sd3, prompts, tmp_path):
 @pytest.mark.exercises("--diffusion-debug-mode")
 def test_alignment_probe_sees_a_perturbed_trainer_weight(tiny_sd3, prompts):
     """Control: the probe is not zero whatever the weights are."""
-    from miles_core.engine.factory import create_engine
-    from miles_core.plugin_manager import get_host
-    from miles_core.rollout.data import PromptRecord
-    from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
-    from miles_core.training.trainer import Trainer
-
-    config = resolve_config(
-        [
-            "--hf-checkpoint",
-            str(tiny_sd3),
-            "--diffusion-model-family",
-            "sd3",
-            "--rollout-batch-size",
-            "1",
-            "--n-samples-per-prompt",
-            "2",
-            "--rollout-microgroup-size",
-            "2",
-            "--diffusion-num-steps",
-            "4",
-            "--diffusion-num-sde-steps",
-            "2",
-            "--diffusion-height",
-            "32",
-            "--diffusion-width",
-            "32",
-            "--debug-skip-optimizer-step",
-            "--diffusion-debug-mode",
-            "--micro-batch-size-sample",
-            "2",
-            "--micro-batch-size-tstep",
-            "1",
-        ]
-    )
-    engine = create_engine(config)
-    host = get_host()
-    trainer = Trainer(engine.family, config, host.registries.sde_backend.get("sde").load(), host.registries.loss.get("policy_loss").load())
-    (group,) = asyncio.run(
-        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord("a red cube")], strategy_from_config(config))
-    )
-    advantages = torch.tensor([1.0, -1.0])
-    assert trainer.train_rollout(group, advantages)["train/log_prob_max_abs_diff"] == 0.0
-    weight = engine.family.components()["transformer"].transformer_blocks[0].attn.to_q.weight
-    with torch.no_grad():
-        weight[0, 0] += 1e-2
-    metrics = trainer.train_rollout(group, advantages)
+    flags = ("--diffusion-debug-mode", "--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1")
+    with frozen_trainer_and_rollout(tiny_sd3, *flags) as (engine, trainer, group):
+        advantages = torch.tensor([1.0, -1.0])
+        assert trainer.train_rollout(group, advantages)["train/log_prob_max_abs_diff"] == 0.0
+        weight = engine.family.components()["transformer"].transformer_blocks[0].attn.to_q.weight
+        with torch.no_grad():
+            weight[0, 0] += 1e-2
+        metrics = trainer.train_rollout(group, advantages)
     assert metrics["train/log_prob_max_abs_diff"] > 0
     assert metrics["train/model_output_max_abs_diff"] > 0
 
@@ -324,7 +286,7 @@ def test_evaluation_is_a_paired_comparison(tiny_sd3, prompts, tmp_path):
     # Control: training moves the evaluation.
     trained = run(tiny_sd3, prompts, tmp_path / "trained", *eval_args, "--use-lora", "--lr", "3e-2", "--num-steps-per-rollout", "2")
     assert trained[-1]["eval/shapes/paired_gain_std"] > 0
-    grids = sorted(p.name for p in (tmp_path / "trained" / "samples").iterdir())
+    grids = sorted(p.name for p in (tmp_path / "trained" / "samples").glob("*.png"))  # the grids (samples/eval/: the archive)
     assert grids == ["eval_shapes_00000_before.png", "eval_shapes_00001.png", "eval_shapes_00002.png", "eval_shapes_before_after.png"]
 
 

@@ -232,9 +232,9 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
                     raise UsageError(f"--out {out}: {path.name} exists; refusing to overwrite it (choose another --out or --seed)")
 
     from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.quiet import quiet_hub_libraries
+    from miles_core.quiet import show_hub_libraries
 
-    quiet_hub_libraries()
+    show_hub_libraries()  # a hub id with its download progress; a tiny pipeline loads quietly (load_pipeline)
     family_cls = registry.get(family_name).load()
     pipeline_class = family_cls.resolve_pipeline_class()
     steps = args.num_inference_steps or int(_pipeline_default(pipeline_class, "num_inference_steps", 28))
@@ -302,92 +302,43 @@ def _file_name(prompt_index: int, seed: int, suffix: str) -> str:
     return f"p{prompt_index:03d}_s{seed}{suffix}"
 
 
-def _to_pil(pixels: Any) -> Any:
-    """``[C, H, W]`` in [0, 1] to a PIL image, rounded as diffusers' ``numpy_to_pil``."""
-    import torch
-    from PIL import Image
-
-    array = (pixels.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-    array = array.permute(1, 2, 0).numpy()
-    if array.shape[2] == 1:
-        return Image.fromarray(array[:, :, 0], mode="L")
-    return Image.fromarray(array)
-
-
 GIF_NOTE = (
     "no MP4 encoder is installed, so videos are written as animated GIFs; for MP4 install imageio with "
     "imageio-ffmpeg (pip install -c constraints.txt -e '.[video]' in the miles-core checkout)"
 )
-DEFAULT_FPS = 16.0
 
 
-def mp4_encoder() -> Any:
-    """``imageio.v3`` when imageio and imageio-ffmpeg (with its bundled ffmpeg binary)
-    are importable, else None: videos then fall back to animated GIFs."""
-    try:
-        import imageio.v3 as iio
-        import imageio_ffmpeg
+def mp4_encoder() -> str | None:
+    """The bundled ffmpeg when the video extra is installed, else None (videos fall back
+    to animated GIFs): :func:`miles_core.media.video_encoder`."""
+    from miles_core.media import video_encoder
 
-        imageio_ffmpeg.get_ffmpeg_exe()
-    except (ImportError, RuntimeError, OSError):
-        return None
-    return iio
-
-
-def _to_frames(pixels: Any) -> Any:
-    """``[C, F, H, W]`` in [0, 1] to ``[F, H, W, 3]`` uint8 (rounded as :func:`_to_pil`)."""
-    import torch
-
-    array = (pixels.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-    array = array.permute(1, 2, 3, 0)
-    if array.shape[-1] == 1:
-        array = array.expand(-1, -1, -1, 3)
-    return array.contiguous().numpy()
+    return video_encoder()
 
 
 def write_output(out: Path, prompt_index: int, seed: int, pixels: Any, fps: float | None) -> str:
-    iio = mp4_encoder() if pixels.ndim == 4 else None
-    if pixels.ndim == 4 and iio is not None:  # [C, F, H, W] as H.264 MP4
-        name = _file_name(prompt_index, seed, ".mp4")
-        try:
-            with (out / name).open("xb") as handle:
-                # macro_block_size 2: H.264 with yuv420p needs even sizes; others keep their size.
-                iio.imwrite(
-                    handle,
-                    _to_frames(pixels),
-                    extension=".mp4",
-                    plugin="FFMPEG",
-                    fps=fps or DEFAULT_FPS,
-                    codec="libx264",
-                    macro_block_size=2,
-                )
-        except FileExistsError:
-            raise UsageError(f"--out {out}: {name} exists; refusing to overwrite it") from None
-        except Exception as exc:
-            (out / name).unlink(missing_ok=True)
-            raise UsageError(f"{out / name}: the MP4 encoder (imageio-ffmpeg) failed: {_first_line(exc)}") from None
-        return name
-    if pixels.ndim == 3:
-        name = _file_name(prompt_index, seed, ".png")
-        image, extra = _to_pil(pixels), {"format": "PNG"}
-    elif pixels.ndim == 4:  # [C, F, H, W] as an animated GIF (no MP4 encoder installed)
-        name = _file_name(prompt_index, seed, ".gif")
-        frames = [_to_pil(pixels[:, f]) for f in range(pixels.shape[1])]
-        image = frames[0]
-        extra = {
-            "format": "GIF",
-            "save_all": True,
-            "append_images": frames[1:],
-            "loop": 0,
-            "duration": max(1, round(1000 / (fps or DEFAULT_FPS))),
-        }
-    else:
+    """One output as ``p{prompt_index:03d}_s{seed}`` + ``.png`` (an image), ``.mp4`` (a video
+    with the video extra) or ``.gif`` (a video without it); never overwrites a file."""
+    from miles_core import media
+    from miles_core.training.record_values import uint8_frames
+
+    if pixels.ndim not in (3, 4):
         raise UsageError(f"the family returned an output of shape {tuple(pixels.shape)}; expected [C,H,W] or [C,F,H,W]")
+    frames = uint8_frames(pixels)  # rounded as diffusers' numpy_to_pil
+    if pixels.ndim == 3:
+        name, write = _file_name(prompt_index, seed, ".png"), lambda path: media.write_png(path, frames, exclusive=True)
+    elif mp4_encoder() is not None:
+        name, write = _file_name(prompt_index, seed, ".mp4"), lambda path: media.write_mp4(path, frames, fps, exclusive=True)
+    else:
+        name, write = _file_name(prompt_index, seed, ".gif"), lambda path: media.write_gif(path, frames, fps, exclusive=True)
     try:
-        with (out / name).open("xb") as handle:
-            image.save(handle, **extra)
+        write(out / name)
     except FileExistsError:
         raise UsageError(f"--out {out}: {name} exists; refusing to overwrite it") from None
+    except Exception as exc:
+        if name.endswith(".mp4"):
+            raise UsageError(f"{out / name}: the MP4 encoder (imageio-ffmpeg) failed: {_first_line(exc)}") from None
+        raise
     return name
 
 

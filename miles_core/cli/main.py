@@ -4,7 +4,7 @@ Each command module is imported only when its command runs, so ``list-plugins`` 
 free of torch, diffusers and transformers. Errors are handled here, once for every
 command: a :class:`~miles_core.errors.MilesError` is printed as ``PROG: error: MESSAGE``
 (one line per message) and the exit status is the error's ``exit_code`` (2: bad input or
-configuration, 1: a failure while running). The traceback is printed too with
+configuration, 1: a failure while running, 3: a run the reward-hacking guard stopped). The traceback is printed too with
 ``--debug`` (before the command) or ``MILES_DEBUG=1``.
 """
 
@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("miles_core.cli.generate", "Sample a checkpoint (optionally with a LoRA) to image or video files"),
     "serve-engine": ("miles_core.cli.serve_engine", "Serve a model over HTTP as a rollout engine (POST /rollout/generate)"),
     "router": ("miles_core.cli.router", "Route POST /rollout/generate over engine servers (the miles router)"),
+    "report": ("miles_core.cli.report", "Write a run's HTML report (curves, samples, configuration, alarms); several runs overlaid"),
 }
 
 

@@ -205,9 +205,9 @@ def run(argv: Sequence[str], prog: str = "miles-core score") -> int:
     config = resolve_config(list(argv), prog=prog, scope="reward", extend=add_score_arguments)
     for note in config.notes:
         print(f"{prog}: warning: {note}", file=sys.stderr)
-    from miles_core.quiet import quiet_hub_libraries
+    from miles_core.quiet import show_hub_libraries
 
-    quiet_hub_libraries()
+    show_hub_libraries(config.get("log_level") or "info")  # reward models may come from the hub: their progress shows
     samples = build_samples(items_from_config(config))
     asyncio.run(score_samples(config, samples, warn=lambda line: print(f"{prog}: warning: {line}", file=sys.stderr)))
     for line in report(samples, bool(config.command_arguments.get("score_json"))):

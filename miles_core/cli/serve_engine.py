@@ -263,9 +263,9 @@ def build_app(args: argparse.Namespace, family: str, on_load_error: Callable[[Ba
 
 async def _serve(args: argparse.Namespace, family: str) -> int:
     from miles_core.engine.server import start_server
-    from miles_core.quiet import quiet_hub_libraries
+    from miles_core.quiet import show_hub_libraries
 
-    quiet_hub_libraries()
+    show_hub_libraries()  # a hub id with its download progress; a tiny pipeline loads quietly (load_pipeline)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

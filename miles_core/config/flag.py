@@ -21,6 +21,7 @@ GROUPS: dict[str, str] = {
     "rollout": "Rollout",
     "data": "Data and batching",
     "evaluation": "Evaluation",
+    "guard": "Reward-hacking guard",
     "algorithm": "Algorithm and loss",
     "reward": "Reward",
     "customization": "Rollout customization hooks",

@@ -34,6 +34,12 @@ def _hook(group: str, name: str, help: str, path_kind: str = "callable", **extra
 
 _AUTO_GPUS = "The reference assumes 8-GPU nodes; auto uses the number of visible GPUs, and a single process on a CPU-only machine."
 
+_NO_GUARD = "Added: the reference has no reward-hacking guard."
+GUARD_THRESHOLD = 2.0
+"""--guard-threshold's default, in spreads (docs/guide.md, "Reward-hacking guard": how it was chosen)."""
+GUARD_KL_MAX = 0.05
+"""--guard-kl-max's default."""
+
 _TABLE: tuple[Flag, ...] = (
     # ------------------------------------------------------------------ general
     _f(
@@ -760,6 +766,73 @@ _TABLE: tuple[Flag, ...] = (
         reference_default="(no such flag)",
         differs="Added with --eval-rm-type: a separate reward set for the evaluations.",
     ),
+    # ------------------------------------------------------------------ reward-hacking guard
+    _f(
+        "guard",
+        "--no-guard",
+        "bool",
+        False,
+        "Not in the reference. Turn the reward-hacking guard off (it runs at every evaluation whenever evaluations run; "
+        'docs/guide.md, "Reward-hacking guard").',
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
+    _f(
+        "guard",
+        "--guard-threshold",
+        "float",
+        GUARD_THRESHOLD,
+        "Not in the reference. The guard's alarm threshold, in units of a statistic's spread at the first evaluation "
+        "(the std of its per-sample values): image statistics alarm beyond it either way, diversity below minus it, the "
+        "reward gap above it, the judge reward below minus it while the trained reward rose.",
+        range="(0, inf)",
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
+    _f(
+        "guard",
+        "--guard-thresholds",
+        "str",
+        None,
+        "Not in the reference. Per-statistic thresholds overriding --guard-threshold, as STAT=X items (brightness, "
+        "saturation, contrast, high_frequency, jpeg_size, color_entropy, diversity, reward_gap, judge_reward).",
+        nargs="+",
+        metavar="STAT=X",
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
+    _f(
+        "guard",
+        "--guard-kl-max",
+        "float",
+        GUARD_KL_MAX,
+        "Not in the reference. The guard's absolute bound on the KL to the reference (Flow-GRPO's KL term, measured on "
+        "transitions of the latest rollout): it is 0 at the first evaluation, so it has no spread to measure drift in.",
+        range="(0, inf)",
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
+    _f(
+        "guard",
+        "--guard-rm-type",
+        "str",
+        None,
+        "Not in the reference. A judge reward (any registered reward) the guard scores the evaluation samples with: an "
+        "alarm when it falls while the trained reward rises.",
+        registry="reward",
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
+    _f(
+        "guard",
+        "--guard-stop-on-alarm",
+        "bool",
+        False,
+        "Not in the reference. Stop the run at the first guard alarm (exit status 3), after its record is written and a "
+        "checkpoint saved (to --save, else RUN_DIR/guard_checkpoint); the final weights are written too.",
+        reference_default="(no such flag)",
+        differs=_NO_GUARD,
+    ),
     # ------------------------------------------------------------------ algorithm and loss
     _f(
         "algorithm",
@@ -1083,10 +1156,43 @@ _TABLE: tuple[Flag, ...] = (
         "--wandb-log-num-images",
         "int",
         0,
-        "Images/videos logged per rollout (the first N samples, captioned with prompt and reward; videos as GIFs); 0 disables.",
+        "Images/videos logged per rollout (the first N samples, captioned with prompt and reward; videos as MP4 with the video "
+        "extra, else GIFs); 0 disables.",
         range="[0, inf)",
     ),
     _f("logging", "--wandb-log-image-interval", "int", 1, "Send media every N rollouts.", range="[1, inf)"),
+    _f(
+        "logging",
+        "--use-tensorboard",
+        "bool",
+        False,
+        "Write TensorBoard event files: each record's scalars (per-step lists as train_step/* series), each evaluation's "
+        "captioned grid, samples and videos (animated GIFs); needs pip install miles-core[tensorboard].",
+        reference_default="(no such flag)",
+        differs="Added: the reference logs to W&B only; TensorBoard needs no account and no server.",
+    ),
+    _f(
+        "logging",
+        "--tensorboard-dir",
+        "str",
+        None,
+        "Where --use-tensorboard writes its event files; unset: RUN_DIR/tensorboard.",
+        metavar="DIR",
+        reference_default="(no such flag)",
+        differs="Added with --use-tensorboard.",
+    ),
+    _f(
+        "logging",
+        "--log-level",
+        "str",
+        "info",
+        "What the console and RUN_DIR/train.log show: debug (everything, with the libraries' debug records), info (the "
+        "run's lines, hub downloads and load warnings; the default), warning (warnings and errors only: no per-rollout "
+        "lines), error (errors only). Tracebacks need --debug before the command.",
+        choices=("debug", "info", "warning", "error"),
+        reference_default="(no such flag)",
+        differs="Added: the reference has no run log file and no level.",
+    ),
     _f("logging", "--use-miles-dashboard", "bool", False, "Async phase/trajectory telemetry to the miles dashboard."),
     _f("logging", "--miles-dashboard-workspace", "str", "./miles_dashboard", "miles dashboard workspace directory."),
     # ------------------------------------------------------------------ fault tolerance

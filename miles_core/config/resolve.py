@@ -116,6 +116,7 @@ class _Resolver:
             self.resolve_offload()
             self.check_ranges()
             self.check_step_selection()
+            self.check_guard()
             self.errors.extend(conflicting_flags(self.config))
         if self.errors:
             raise ConfigError(self.errors)
@@ -747,6 +748,24 @@ class _Resolver:
             self.fail("--ci-metric-checker-key and --ci-metric-checker-threshold require --ci-test")
         for message in train_env_vars_errors(v("train_env_vars") or {}):
             self.fail(message)
+
+    def check_guard(self) -> None:
+        """The reward-hacking guard's flags: ``--guard-thresholds`` items, and guard flags
+        that would do nothing (without evaluations, or with ``--no-guard``) are errors."""
+        from miles_core.config.guard_flags import parse_thresholds
+
+        try:
+            parse_thresholds(self.v("guard_thresholds"))
+        except ConfigError as exc:
+            self.fail(str(exc))
+        dests = ("guard_threshold", "guard_thresholds", "guard_kl_max", "guard_rm_type", "guard_stop_on_alarm")
+        given = [self.name(d) for d in dests if self.config.source(d).user_set]
+        if not given:
+            return
+        if self.v("no_guard"):
+            self.fail(f"--no-guard and {', '.join(given)} are mutually exclusive (the guard is off)")
+        elif self.v("eval_interval") is None:
+            self.fail(f"{', '.join(given)}: the guard checks evaluations; set --eval-interval and --eval-prompt-data")
 
     def check_declared_ranges(self) -> None:
         """Every flag's value (from the command line, the YAML file or a default) against

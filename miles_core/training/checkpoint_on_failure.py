@@ -81,18 +81,21 @@ class FailureCheckpoint:
         """The last rollout this run checkpointed."""
         self._rng: Any = None
         self._data_source: Any = None
+        self._guard: Any = None
 
     def recorded_rollout(self, rollout_id: int, *, saved: bool) -> None:
         """Rollout ``rollout_id``'s record is written (and, with ``saved``, its checkpoint).
         Without a checkpoint, keep what one written now would hold besides the trainer's
-        state: the RNG streams and a custom data source's state."""
+        state: the RNG streams, a custom data source's state and the guard's."""
         from miles_core.training.checkpoint import capture_rng
 
         self.recorded = rollout_id
         if saved:
-            self.saved, self._rng, self._data_source = rollout_id, None, None
+            self.saved, self._rng, self._data_source, self._guard = rollout_id, None, None, None
         elif self.run.config.save:
             self._rng = capture_rng()
+            if self.run.guard is not None:
+                self._guard = _Frozen(copy.deepcopy(self.run.guard.state_dict()))
             source = self.run.data_source
             if self.run.config.data_source_path and source is not None:
                 self._data_source = copy.deepcopy(source.state_dict())
@@ -124,19 +127,20 @@ class FailureCheckpoint:
             return
         if rollout == self.recorded:
             rng, data_source = self._rng, _Frozen(self._data_source) if self._data_source is not None else run.data_source
+            guard = self._guard
         elif rollout == self.recorded + 1:
-            rng, data_source = None, run.data_source  # trained just now: nothing has moved since
+            rng, data_source, guard = None, run.data_source, run.guard  # trained just now: nothing has moved since
         else:  # not a state this class knows how to save
             return
         try:
-            await self._save(rollout, rng, data_source)
+            await self._save(rollout, rng, data_source, guard)
         except Exception as failure:  # the run's own error is the one to report
             run.log(f"checkpoint at rollout {rollout} not kept: {type(failure).__name__}: {' '.join(str(failure).split())}")
             return
         note = "" if rollout == self.recorded else " (its record is not in metrics.jsonl: the run failed after it trained)"
         run.log(f"checkpoint kept at rollout {rollout}: {where}{note}")
 
-    async def _save(self, rollout: int, rng: Any, data_source: Any) -> None:
+    async def _save(self, rollout: int, rng: Any, data_source: Any, guard: Any) -> None:
         from miles_core.training.run_state import save_run_state
 
         run = self.run
@@ -144,12 +148,14 @@ class FailureCheckpoint:
         # may be the part that failed, is left as it is).
         resident = run.turns.trainer_resident() if run.turns is not None else nullcontext()
         async with resident:
-            save_run_state(run.config, run.trainer, rollout, data_source, run.schedule, resumed_from=run.resumed_from, rng_state=rng)
+            save_run_state(
+                run.config, run.trainer, rollout, data_source, run.schedule, resumed_from=run.resumed_from, rng_state=rng, guard=guard
+            )
         self.saved = rollout
 
 
 class _Frozen:
-    """A data source's state as it was at a record (``state_dict`` only)."""
+    """A data source's (or the guard's) state as it was at a record (``state_dict`` only)."""
 
     def __init__(self, state: Any) -> None:
         self._state = state

@@ -22,6 +22,8 @@ and the paired gain over the samples valid in both evaluations.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,19 +115,242 @@ class Evaluator:
         return result
 
 
-def save_grid(images: list[torch.Tensor], path: Path, columns: int) -> Path:
-    """Images [C, H, W] (videos: their first frame) in [0, 1] as one PNG grid."""
-    from PIL import Image
+# -- captioned grids --------------------------------------------------------------------------
 
+MIN_CELL = 96
+"""Cells are upscaled (nearest neighbour, an integer factor) to at least this many pixels
+a side: tiny images stay visible and a cell's caption fits under it."""
+LINE = 13  # the height of a line of Pillow's default font (10 px), with spacing
+PAD = 4
+
+
+@dataclass
+class GridCaptions:
+    """What a grid says about itself: a header, a label per column (``before`` /
+    ``after``), a line per row (its prompt) and lines per cell (seed, reward)."""
+
+    header: str = ""
+    columns: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+    cells: list[list[str]] = field(default_factory=list)
+
+
+def _fit(draw: Any, text: str, width: int, font: Any) -> str:
+    """``text`` cut (with an ellipsis) to ``width`` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def save_grid(images: list[torch.Tensor], path: Path, columns: int, captions: GridCaptions | None = None) -> Path:
+    """Images [C, H, W] (videos: their first frame) in [0, 1] as one PNG grid, with
+    ``captions`` drawn around them: the header on top, then per row its label line above
+    its cells and per cell its lines below it."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    from miles_core.media import rgb
+    from miles_core.training.record_values import uint8_frames
+
+    captions = captions or GridCaptions()
     frames = [img[:, 0] if img.ndim == 4 else img for img in images]
     height, width = frames[0].shape[-2:]
+    scale = max(1, -(-MIN_CELL // min(height, width))) if captions != GridCaptions() else 1
+    cell_w, cell_h = width * scale, height * scale
+    cell_lines = max((len(lines) for lines in captions.cells), default=0)
     rows = (len(frames) + columns - 1) // columns
-    grid = Image.new("RGB", (columns * width, rows * height))
+    top = LINE * (bool(captions.header) + bool(captions.columns)) + (PAD if captions.header or captions.columns else 0)
+    row_h = LINE * bool(captions.rows) + cell_h + LINE * cell_lines + (PAD if captions.rows or cell_lines else 0)
+    grid = Image.new("RGB", (columns * cell_w, top + rows * row_h), "white")
+    draw, font = ImageDraw.Draw(grid), ImageFont.load_default()
+    y = 0
+    if captions.header:
+        draw.text((PAD, y), _fit(draw, captions.header, grid.width - 2 * PAD, font), fill="black", font=font)
+        y += LINE
+    for column, label in enumerate(captions.columns[:columns]):
+        draw.text((column * cell_w + PAD, y), _fit(draw, label, cell_w - 2 * PAD, font), fill="black", font=font)
     for i, frame in enumerate(frames):
-        array = (frame.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        if array.shape[-1] == 1:
-            array = array.repeat(3, axis=-1)
-        grid.paste(Image.fromarray(array), ((i % columns) * width, (i // columns) * height))
+        row, column = divmod(i, columns)
+        x, y = column * cell_w, top + row * row_h
+        if column == 0 and row < len(captions.rows):
+            draw.text((PAD, y), _fit(draw, captions.rows[row], grid.width - 2 * PAD, font), fill="black", font=font)
+        y += LINE * bool(captions.rows)
+        picture = Image.fromarray(rgb(uint8_frames(frame)))
+        grid.paste(picture.resize((cell_w, cell_h), Image.NEAREST) if scale > 1 else picture, (x, y))
+        for k, line in enumerate(captions.cells[i] if i < len(captions.cells) else []):
+            draw.text((x + PAD, y + cell_h + k * LINE), _fit(draw, line, cell_w - 2 * PAD, font), fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return path
+
+
+def _reward_text(reward: float | None) -> str:
+    return "reward failed" if reward is None else f"reward {reward:.4f}"
+
+
+def eval_grid_captions(eval_set: str, tag: str, rows: list[dict[str, Any]], columns: int, *, video: bool) -> GridCaptions:
+    """The captions of one evaluation's grid from its manifest rows (prompt order)."""
+    header = f"eval set {eval_set} · {tag}" + (" · first frame of each video" if video else "")
+    prompts = [row["prompt"] for row in rows[::columns]]
+    cells = [[f"seed {row['seed']}", _reward_text(row["reward"])] for row in rows]
+    return GridCaptions(header, [], prompts, cells)
+
+
+def before_after_captions(
+    eval_set: str, before: list[dict[str, Any]], after: list[dict[str, Any]], columns: int, *, video: bool
+) -> GridCaptions:
+    """Before and after, side by side (``2 x columns`` cells a row): the same prompt and seed
+    in each pair of columns, labelled ``before`` and ``after``."""
+    header = f"eval set {eval_set} · before ({before[0]['tag']}) / after ({after[0]['tag']})"
+    header += " · first frame of each video" if video else ""
+    cells = [[f"seed {row['seed']}", _reward_text(row["reward"])] for pair in zip(before, after) for row in pair]
+    return GridCaptions(header, ["before", "after"] * columns, [row["prompt"] for row in after[::columns]], cells)
+
+
+# -- the evaluation archive --------------------------------------------------------------------
+
+ARCHIVE = Path("samples") / "eval"
+MANIFEST = ARCHIVE / "manifest.jsonl"
+
+
+def _last_evaluation(manifest: Path) -> int:
+    """The highest ``evaluation`` in an existing manifest (a resumed run goes on counting),
+    -1 when there is none; a partial last line (a run killed mid-write) is ignored."""
+    last = -1
+    if manifest.exists():
+        for line in manifest.read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line)["evaluation"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
+
+
+class EvalArchive:
+    """Every sample of every evaluation under ``RUN_DIR/samples/eval/<set>/<tag>/``
+    (``p<prompt:03d>_s<sample:02d>``: an image as ``.png``; a video as ``.webm`` (VP9) and
+    ``.mp4`` (H.264) with the video extra, else ``.gif``, plus a ``.png`` poster, its first
+    frame), and one JSON line per sample in ``RUN_DIR/samples/eval/manifest.jsonl``,
+    appended and flushed per evaluation (docs/guide.md, "The evaluation archive")."""
+
+    def __init__(self, out: Path, columns: int, fps: float | None = None) -> None:
+        self.out = out
+        self.columns = columns
+        self.fps = fps
+        self.evaluation = _last_evaluation(out / MANIFEST) + 1
+        # Each eval set's first evaluation in this process (rows, images): the "before" column.
+        self.first: dict[str, tuple[list[dict[str, Any]], list[torch.Tensor]]] = {}
+
+    def save(self, result: EvalResult, tag: str, rollout_id: int, trained_rollouts: int) -> dict[str, list[dict[str, Any]]]:
+        """Write ``result``'s samples and their manifest lines; returns the lines per eval set."""
+        from miles_core import media
+        from miles_core.training.record_values import uint8_frames
+
+        encoder = media.video_encoder() is not None
+        written: dict[str, list[dict[str, Any]]] = {}
+        for name, samples in result.samples.items():
+            folder = ARCHIVE / name / tag
+            (self.out / folder).mkdir(parents=True, exist_ok=True)
+            rewards = result.rewards[name]
+            rows = []
+            for i, sample in enumerate(samples):
+                stem = folder / f"p{i // self.columns:03d}_s{i % self.columns:02d}"
+                frames = uint8_frames(sample.pixels)
+                video = None
+                if frames.ndim == 4 and frames.shape[0] > 1:  # [F, H, W, C]
+                    fps = float(self.fps or media.DEFAULT_FPS)
+                    paths: dict[str, str | None] = {"webm": None, "mp4": None, "gif": None}
+                    if encoder:
+                        media.write_webm(self.out / f"{stem}.webm", frames, fps)
+                        media.write_mp4(self.out / f"{stem}.mp4", frames, fps)
+                        paths["webm"], paths["mp4"] = f"{stem.as_posix()}.webm", f"{stem.as_posix()}.mp4"
+                    else:
+                        media.write_gif(self.out / f"{stem}.gif", frames, fps)
+                        paths["gif"] = f"{stem.as_posix()}.gif"
+                    video = {**paths, "frames": int(frames.shape[0]), "fps": fps}
+                    frames = frames[0]
+                elif frames.ndim == 4:
+                    frames = frames[0]  # a one-frame video: a picture
+                media.write_png(self.out / f"{stem}.png", frames)
+                reward = float(rewards[i])
+                components = {key: float(v) for key, v in sample.reward_components.items() if math.isfinite(float(v))}
+                rows.append(
+                    {
+                        "eval_set": name,
+                        "tag": tag,
+                        "evaluation": self.evaluation,
+                        "trained_rollouts": trained_rollouts,
+                        "rollout_id": rollout_id,
+                        "prompt_index": i // self.columns,
+                        "prompt": sample.prompt,
+                        "sample_index": i % self.columns,
+                        "seed": int(sample.seed),
+                        "reward": reward if math.isfinite(reward) and not sample.reward_failed else None,
+                        "reward_components": components,
+                        "image": f"{stem.as_posix()}.png",
+                        "video": video,
+                    }
+                )
+            written[name] = rows
+        with (self.out / MANIFEST).open("a", encoding="utf-8") as manifest:
+            for rows in written.values():
+                manifest.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            manifest.flush()
+        self.evaluation += 1
+        return written
+
+    def save_grids(self, result: EvalResult, rows: dict[str, list[dict[str, Any]]], tag: str) -> list[Path]:
+        """The captioned grids of one evaluation (``samples/eval_<set>_<tag>.png``) and, after
+        the first, before and after side by side (``samples/eval_<set>_before_after.png``)."""
+        samples_dir = self.out / "samples"
+        paths = []
+        for name, images in result.images.items():
+            video = any(img.ndim == 4 and img.shape[1] > 1 for img in images)
+            captions = eval_grid_captions(name, tag, rows[name], self.columns, video=video)
+            paths.append(save_grid(images, samples_dir / f"eval_{name}_{tag}.png", self.columns, captions))
+            if name not in self.first:
+                self.first[name] = (rows[name], images)
+                continue
+            before_rows, before = self.first[name]
+            pairs = [img for pair in zip(before, images) for img in pair]
+            captions = before_after_captions(name, before_rows, rows[name], self.columns, video=video)
+            paths.append(save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * self.columns, captions))
+        return paths
+
+
+@dataclass
+class EvalMedia:
+    """One evaluation as the trackers log it: per eval set its captioned grid, its manifest
+    rows and each sample's uint8 frames (``[H, W, C]``, a video ``[F, H, W, C]``).
+    ``rollout_id``: the record that holds its metrics; ``trained_rollouts``: the rollouts
+    trained when it ran (two evaluations can share a record, never this)."""
+
+    tag: str
+    rollout_id: int
+    trained_rollouts: int
+    out: Path
+    grids: dict[str, Path]
+    rows: dict[str, list[dict[str, Any]]]
+    frames: dict[str, list[Any]]
+    fps: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        result: EvalResult,
+        rows: dict[str, list[dict[str, Any]]],
+        grids: list[Path],
+        tag: str,
+        rollout_id: int,
+        out: Path,
+        *,
+        trained_rollouts: int,
+    ) -> EvalMedia:
+        from miles_core.training.record_values import uint8_frames
+
+        by_set = {name: out / "samples" / f"eval_{name}_{tag}.png" for name in rows}
+        frames = {name: [uint8_frames(sample.pixels) for sample in samples] for name, samples in result.samples.items()}
+        fps = next((row["video"]["fps"] for set_rows in rows.values() for row in set_rows if row["video"]), None)
+        kept = {name: path for name, path in by_set.items() if path in grids}
+        return cls(tag, rollout_id, trained_rollouts, out, kept, rows, frames, fps)

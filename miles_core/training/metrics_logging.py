@@ -1,12 +1,15 @@
-"""Where a run's records go besides ``metrics.jsonl``: Weights & Biases (``--use-wandb``)
-and progress bars on a terminal.
+"""Where a run's records go besides ``metrics.jsonl``: the trackers (Weights & Biases with
+``--use-wandb``, TensorBoard with ``--use-tensorboard``: :class:`Trackers` fans each record
+out to every one enabled) and progress bars on a terminal.
 
 W&B: one history row per rollout (its scalars, with ``rollout_id`` as the x axis), and
 each per-optimizer-step list of a record (``train/clipfrac_per_step``) as its own series
-``train_step/<name>`` against ``train_step`` (``rollout_id x steps + i``). Every
-``--wandb-log-image-interval`` rollouts the first ``--wandb-log-num-images`` samples go
-to ``rollout/images`` (``wandb.Image``) or ``rollout/videos`` (``wandb.Video`` of a GIF
-that Pillow encodes: no ffmpeg or moviepy), captioned with the prompt and reward.
+``train_step/<name>`` against ``train_step`` (``rollout_id x steps + i``,
+:func:`~miles_core.training.record_values.per_step_rows`, shared with TensorBoard). Every ``--wandb-log-image-interval``
+rollouts the first ``--wandb-log-num-images`` samples go to ``rollout/images``
+(``wandb.Image``) or ``rollout/videos`` (``wandb.Video`` of an MP4 with the video extra,
+else of an animated GIF), captioned with the prompt and reward. Each evaluation's
+captioned grid goes to ``eval/<set>/samples`` and its videos to ``eval/<set>/videos``.
 ``wandb`` is imported only when ``--use-wandb`` is set.
 
 Custom log functions (``--custom-rollout-log-function-path``,
@@ -17,7 +20,6 @@ see :func:`custom_log_function` and docs/customization.md.
 
 from __future__ import annotations
 
-import math
 import secrets
 import sys
 import tempfile
@@ -26,9 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from miles_core.errors import LoggerError
+from miles_core.training.record_values import per_step_rows, scalars, uint8_frames
 
 WANDB_MISSING = "--use-wandb needs the wandb package: pip install miles-core[wandb]"
 
@@ -42,26 +43,6 @@ def run_name(config: Any, out: Path) -> str:
     RNGs are untouched."""
     base = config.wandb_group or out.name
     return base if config.disable_wandb_random_suffix else f"{base}-{secrets.token_hex(3)}"
-
-
-def _scalar(value: Any) -> float | int | None:
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
-    return None
-
-
-def _uint8_frames(pixels: torch.Tensor) -> Any:
-    """``[C, H, W]`` -> ``[H, W, C]`` or ``[C, F, H, W]`` -> ``[F, H, W, C]`` uint8 (numpy),
-    single-channel images squeezed to ``[..., H, W]``."""
-    data = (pixels.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-    data = data.movedim(0, -1)
-    if data.shape[-1] == 1:
-        data = data[..., 0]
-    return data.numpy()
 
 
 class WandbLogger:
@@ -107,28 +88,14 @@ class WandbLogger:
     def log(self, metrics: dict[str, Any], samples: Sequence[Any] = ()) -> None:
         rollout_id = int(metrics["rollout_id"])
         # Per-step lists: one row per optimizer step on their own x axis.
-        lists = {
-            key.removeprefix("train/").removesuffix("_per_step"): value
-            for key, value in metrics.items()
-            if key.endswith("_per_step") and isinstance(value, list)
-        }
-        if lists:
-            steps = max(len(v) for v in lists.values())
-            for i in range(steps):
-                row: dict[str, Any] = {"train_step": rollout_id * steps + i}
-                for name, values in lists.items():
-                    value = _scalar(values[i]) if i < len(values) else None
-                    if value is not None:
-                        key = f"train_step/{name}"
-                        self._define(key, "train_step")
-                        row[key] = value
-                self.run.log(row)
-        row = {"rollout_id": rollout_id}
-        for key, value in metrics.items():
-            value = _scalar(value)
-            if key != "rollout_id" and value is not None:
-                self._define(key, "rollout_id")
-                row[key] = value
+        for step, values in per_step_rows(metrics):
+            for key in values:
+                self._define(key, "train_step")
+            self.run.log({"train_step": step, **values})
+        row: dict[str, Any] = {"rollout_id": rollout_id}
+        for key, value in scalars(metrics).items():
+            self._define(key, "rollout_id")
+            row[key] = value
         row.update(self._media(rollout_id, samples))
         self.run.log(row)
 
@@ -140,31 +107,87 @@ class WandbLogger:
         images, videos = [], []
         for index, sample in enumerate(samples[:count]):
             caption = sample.prompt if sample.reward is None else f"{sample.prompt} (reward {sample.reward:.4f})"
-            pixels = sample.pixels
-            if pixels.dim() == 4 and pixels.shape[1] > 1:  # [C, F, H, W]
-                videos.append(self.wandb.Video(self._gif(_uint8_frames(pixels), rollout_id, index), caption=caption))
+            frames = uint8_frames(sample.pixels)
+            if frames.ndim == 4 and frames.shape[0] > 1:  # [F, H, W, C]
+                videos.append(self._video(frames, f"rollout_{rollout_id:05d}_{index}", caption))
             else:
-                if pixels.dim() == 4:
-                    pixels = pixels[:, 0]
-                images.append(self.wandb.Image(_uint8_frames(pixels), caption=caption))
+                images.append(self._image(frames[0] if frames.ndim == 4 else frames, caption))
         self._define("rollout/images", "rollout_id")
         self._define("rollout/videos", "rollout_id")
         return {key: value for key, value in (("rollout/images", images), ("rollout/videos", videos)) if value}
 
-    def _gif(self, frames: Any, rollout_id: int, index: int) -> str:
-        from PIL import Image
+    def _image(self, frame: Any, caption: str) -> Any:
+        return self.wandb.Image(frame[..., 0] if frame.shape[-1] == 1 else frame, caption=caption)
+
+    def _video(self, frames: Any, stem: str, caption: str) -> Any:
+        """A ``wandb.Video`` of an MP4 (H.264) when the video extra is installed, else of an
+        animated GIF (Pillow): wandb's own encoding of arrays needs moviepy."""
+        from miles_core import media
 
         fps = self.config.diffusion_fps or 8
-        path = Path(self.media_dir.name) / f"rollout_{rollout_id:05d}_{index}.gif"
-        pictures = [Image.fromarray(frame) for frame in frames]
-        pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=max(1, round(1000 / fps)), loop=0)
-        return str(path)
+        if media.video_encoder() is not None:
+            path = media.write_mp4(Path(self.media_dir.name) / f"{stem}.mp4", frames, fps)
+            return self.wandb.Video(str(path), caption=caption, format="mp4")
+        path = media.write_gif(Path(self.media_dir.name) / f"{stem}.gif", frames, fps)
+        return self.wandb.Video(str(path), caption=caption, format="gif")
+
+    def log_eval(self, media: Any) -> None:
+        """An evaluation (:class:`~miles_core.training.evaluation.EvalMedia`): per eval set
+        its captioned grid (``eval/<set>/samples``) and its videos (``eval/<set>/videos``,
+        each captioned with its prompt, seed and reward), at the evaluation's rollout."""
+        row: dict[str, Any] = {"rollout_id": media.rollout_id}
+        for name, rows in media.rows.items():
+            if name in media.grids:
+                key = f"eval/{name}/samples"
+                self._define(key, "rollout_id")
+                row[key] = [self.wandb.Image(str(media.grids[name]), caption=f"{name} {media.tag}")]
+            videos = [
+                self._video(frames, f"eval_{name}_{media.tag}_{i:03d}", eval_caption(r))
+                for i, (r, frames) in enumerate(zip(rows, media.frames[name]))
+                if r["video"] is not None
+            ]
+            if videos:
+                self._define(f"eval/{name}/videos", "rollout_id")
+                row[f"eval/{name}/videos"] = videos
+        self.run.log(row)
 
     def finish(self, exit_code: int = 0) -> None:
         try:
             self.run.finish(exit_code=exit_code)
         finally:
             self.media_dir.cleanup()
+
+
+def eval_caption(row: dict[str, Any]) -> str:
+    """An evaluation sample's caption from its manifest row."""
+    reward = "failed" if row["reward"] is None else f"{row['reward']:.4f}"
+    return f"{row['prompt']} (seed {row['seed']}, reward {reward})"
+
+
+class Trackers:
+    """Every tracker the run enabled (W&B, TensorBoard), one interface: :meth:`log` per
+    record, :meth:`log_eval` per evaluation, :meth:`finish` at the end."""
+
+    def __init__(self, loggers: Sequence[Any]) -> None:
+        self.loggers = list(loggers)
+
+    def log(self, metrics: dict[str, Any], samples: Sequence[Any] = ()) -> None:
+        for logger in self.loggers:
+            logger.log(metrics, samples)
+
+    def log_eval(self, media: Any) -> None:
+        for logger in self.loggers:
+            logger.log_eval(media)
+
+    def finish(self, exit_code: int = 0) -> None:
+        errors = []
+        for logger in self.loggers:  # every tracker gets to close its files, even after one failed
+            try:
+                logger.finish(exit_code=exit_code)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def require_wandb(config: Any) -> None:
@@ -176,9 +199,31 @@ def require_wandb(config: Any) -> None:
             raise LoggerError(WANDB_MISSING) from None
 
 
-def metrics_logger(config: Any, document: dict[str, Any], out: Path) -> WandbLogger | None:
-    """The W&B logger when ``--use-wandb`` is set, else None."""
-    return WandbLogger(config, document, out) if config.use_wandb else None
+def require_trackers(config: Any) -> None:
+    """Fail early, before any model loads, when a tracker is enabled without its package
+    (``--use-wandb``: wandb; ``--use-tensorboard``: tensorboard)."""
+    require_wandb(config)
+    if config.use_tensorboard:
+        from miles_core.training.tensorboard_logging import require_tensorboard
+
+        require_tensorboard()
+
+
+def metrics_logger(config: Any, document: dict[str, Any], out: Path) -> Trackers | None:
+    """The trackers the run enabled (``--use-wandb``, ``--use-tensorboard``), else None."""
+    loggers: list[Any] = []
+    try:
+        if config.use_wandb:
+            loggers.append(WandbLogger(config, document, out))
+        if config.use_tensorboard:
+            from miles_core.training.tensorboard_logging import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(config, out))
+    except BaseException:
+        for logger in loggers:
+            logger.finish(exit_code=1)
+        raise
+    return Trackers(loggers) if loggers else None
 
 
 # -- custom log functions ----------------------------------------------------------------
@@ -285,10 +330,13 @@ class Progress:
 __all__ = [
     "LoggerError",
     "Progress",
+    "Trackers",
     "WANDB_MISSING",
     "WandbLogger",
+    "eval_caption",
     "custom_log_function",
     "metrics_logger",
+    "require_trackers",
     "require_wandb",
     "run_name",
 ]

@@ -30,9 +30,11 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     from miles_core.rollout.filters import RolloutFilters
     from miles_core.training.advantages import advantages_from_config
     from miles_core.training.debug_data import load_rollout_data, save_rollout_data, save_train_data
-    from miles_core.training.evaluation import Evaluator, save_grid
+    from miles_core.training.evaluation import EvalArchive, EvalMedia, Evaluator
+    from miles_core.training.guard import guard_for_run
     from miles_core.training.metrics_logging import Progress, custom_log_function
     from miles_core.training.rewards import reward_metrics as saved_reward_metrics
+    from miles_core.training.run_state import restored_guard_state
     from miles_core.training.sync_dispatch import sync_weights as sync_along_path
     from miles_core.training.weight_sync import snapshot_weights, sync_to_engine
 
@@ -117,28 +119,46 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     on_engine_thread = isinstance(engine, EmbeddedEngine) and plan is not None and plan.shared_compute_thread
     # Builds the evaluation reward now: one that cannot be built stops the run before its first rollout.
     evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
-    samples_dir = out / "samples"
+    # The reward-hacking guard checks every evaluation (its judge reward is built now, too).
+    guard = (
+        guard_for_run(
+            config,
+            trainer,
+            engine,
+            out,
+            log,
+            on_engine_thread=on_engine_thread,
+            training_scorer=rollouts.scorer,
+            turns=turns,
+            state=restored_guard_state(config) if run.resumed else None,  # compare with the original run's baselines
+        )
+        if evaluator is not None
+        else None
+    )
+    run.guard = guard  # checkpoints keep its baselines
     pending_eval: dict[str, Any] = {}
-    columns = config.n_samples_per_eval_prompt
+    # Every evaluation's samples under samples/eval/ with their manifest, and the captioned grids.
+    archive = EvalArchive(out, config.n_samples_per_eval_prompt, config.diffusion_fps)
 
-    async def evaluate(tag: str, rollout_id: int) -> dict[str, Any]:
+    async def evaluate(tag: str, rollout_id: int, trained_rollouts: int) -> dict[str, Any]:
         await turn("eval")
         with engine_weights():
             result = await evaluator.evaluate(rollout_id)
+        if guard is not None:  # the reward-hacking guard: guard/* metrics, guard.jsonl, one line per alarm
+            result.metrics.update(await guard.after_evaluation(result, rollout_id, trained_rollouts))
         metrics = dict(result.metrics)
         if await log_eval(rollout_id, result.samples, metrics):
-            return {}  # the custom eval log function did the logging: no eval/* keys, no grids
-        for name, images in result.images.items():
-            save_grid(images, samples_dir / f"eval_{name}_{tag}.png", columns)
-            if evaluator.first is not result:
-                # Before and after, side by side: the same prompts and seeds, one row each.
-                first = evaluator.first.images[name]
-                pairs = [img for pair in zip(first, images) for img in pair]
-                save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * columns)
+            # The custom eval log function did the logging: no eval/* keys, no archive, no
+            # grids; the guard's keys stay (--guard-stop-on-alarm reads them from the record).
+            return {key: value for key, value in metrics.items() if key.startswith("guard/")}
+        rows = archive.save(result, tag, rollout_id, trained_rollouts)
+        grids = archive.save_grids(result, rows, tag)
+        if run.trackers is not None:  # W&B / TensorBoard: the grids and each sample (videos playable)
+            run.trackers.log_eval(EvalMedia.of(result, rows, grids, tag, rollout_id, out, trained_rollouts=trained_rollouts))
         return metrics
 
     if evaluator is not None and not config.skip_eval_before_train:
-        pending_eval = await evaluate(f"{start:05d}_before", start)
+        pending_eval = await evaluate(f"{start:05d}_before", start, start)
     for rollout_id in range(start, total):
         began = time.perf_counter()
         if replay:
@@ -158,6 +178,8 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
                 samples = await rollouts.generate(rollout_id)
             generated = time.perf_counter()
             rewards, reward_metrics, reward_busy = await rollouts.score(samples)
+            if guard is not None:  # the training reward of the guard's reward gap
+                guard.training_reward(reward_metrics)
             await turn("train")
             if config.save_debug_rollout_data:
                 save_rollout_data(config.save_debug_rollout_data, rollout_id, samples, rewards)
@@ -241,7 +263,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
         metrics.update(pending_eval)
         pending_eval = {}
         if evaluator is not None and ((rollout_id + 1) % config.eval_interval == 0 or rollout_id + 1 == total):
-            metrics.update(await evaluate(f"{rollout_id + 1:05d}", rollout_id))
+            metrics.update(await evaluate(f"{rollout_id + 1:05d}", rollout_id, rollout_id + 1))
         yield metrics, logged_samples
     await turn("done")
 

@@ -28,9 +28,10 @@ from miles_core.config.model import Config
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.factory import sde_backend
-from miles_core.errors import EngineRequestError, RunError, RunFailedError
+from miles_core.errors import EngineRequestError, MilesError, RunError, RunFailedError
 from miles_core.model_loading import load_family
 from miles_core.plugin_manager import loss_spec
+from miles_core.report import write_report
 from miles_core.specs import LossSpec
 from miles_core.training.loops import rollouts, rolls_out
 from miles_core.training.prompt_embeddings import precompute_prompt_embeddings
@@ -111,7 +112,7 @@ async def prepare_run(
     from miles_core.config.document import config_document
     from miles_core.config.train_env import apply_train_env_vars
     from miles_core.training.lr_schedule import from_config as lr_schedule_from_config
-    from miles_core.training.metrics_logging import Progress, require_wandb
+    from miles_core.training.metrics_logging import Progress, require_trackers
 
     if config.get("use_ray") and cluster is None:
         raise RunError(
@@ -126,7 +127,7 @@ async def prepare_run(
     replay = bool(config.load_debug_rollout_data)  # saved rollouts instead of an engine
     if not config.prompt_data and not replay and not config.disable_rollout_global_dataset:
         raise RunError("--prompt-data is required: a JSONL file with one prompt per line")
-    require_wandb(config)
+    require_trackers(config)  # --use-wandb / --use-tensorboard without their package: one line, now
     records: list[Any] = []
     if supervised:
         from miles_core.training.sft import load_sft_rows
@@ -171,7 +172,7 @@ async def prepare_run(
             trainer = build_trainer(config, family, spec)
         resumed = restore_run_state(config, trainer, data_source)
         start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
-        out = output_directory(config, start if resumed is not None else None)
+        out = output_directory(config, start if resumed is not None else None, log)
         (out / "config.yaml").write_text(yaml.safe_dump(config_document(config), sort_keys=False), encoding="utf-8")
         if resumed is not None:
             from miles_core.training.lr_schedule import resume_schedule
@@ -223,15 +224,36 @@ async def train(
     engine_factory: EngineFactory | None = None,
     on_phase: Callable[[str, Any], None] | None = None,
 ) -> Path:
-    """Run the training loop; return the run directory. ``cluster``, ``engine_factory``
-    and ``on_phase``: see :func:`prepare_run`."""
+    """Run the training loop; return the run directory. ``log`` is the console: every line
+    also goes to ``RUN_DIR/train.log`` (:mod:`~miles_core.training.run_log`, at
+    ``--log-level``). ``cluster``, ``engine_factory`` and ``on_phase``: see :func:`prepare_run`."""
+    from miles_core.training.run_log import RunLog
+
+    # Attached here, or nested in the caller's block (miles_core.launch under --use-ray), whose
+    # end then closes the file; the error that ends the run is the file's last line.
+    with RunLog.of(log, config).attached() as run_log:
+        return await logged_train(config, log=run_log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
+
+
+async def logged_train(
+    config: Config,
+    *,
+    log: Any,
+    cluster: Any = None,
+    engine_factory: EngineFactory | None = None,
+    on_phase: Callable[[str, Any], None] | None = None,
+) -> Path:
+    """:func:`train` with its :class:`~miles_core.training.run_log.RunLog` (``log``), which
+    starts writing ``RUN_DIR/train.log`` once the run directory exists."""
     from miles_core.config.document import config_document
     from miles_core.training.checkpoint_on_failure import FailureCheckpoint
     from miles_core.training.ci_check import check_ci_metric
+    from miles_core.training.guard import stop_for_alarm
     from miles_core.training.metrics_logging import metrics_logger
 
     run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
     out = run.out
+    log.open(out)  # the lines logged so far, then every line as it is logged
     on_failure = FailureCheckpoint(run)
     first: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
@@ -240,27 +262,39 @@ async def train(
         failed = True
         try:
             logger = metrics_logger(config, config_document(config), out)
-            async for metrics, samples in rollouts(run):
+            guard_stop = None  # --guard-stop-on-alarm: the error to stop with once the final weights are written
+            run.trackers = logger  # the RL loop logs each evaluation's media to it
+            stream = rollouts(run)
+            async for metrics, samples in stream:
                 first = first or metrics
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
                 if logger is not None:
                     logger.log(metrics, samples)
                 log(rollout_line(metrics, run.total))
+                if any(key.startswith(("eval/", "guard/")) for key in metrics):
+                    await write_run_report(out, log)  # report.html at every evaluation
                 rollout_id = metrics["rollout_id"]
                 last = rollout_id + 1 == run.total
                 save = bool(config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)))
                 if save:
                     if run.turns is not None:  # --offload-train: the trainer's state comes back for the save
                         await run.turns.enter("checkpoint")
-                    save_run_state(config, run.trainer, rollout_id, run.data_source, run.schedule, resumed_from=run.resumed_from)
+                    save_run_state(
+                        config, run.trainer, rollout_id, run.data_source, run.schedule, resumed_from=run.resumed_from, guard=run.guard
+                    )
                 on_failure.recorded_rollout(rollout_id, saved=save)
+                if config.get("guard_stop_on_alarm") and metrics.get("guard/alarms"):  # checkpointed, then stop (exit 3)
+                    guard_stop = await stop_for_alarm(run, rollout_id, metrics, saved=save)
+                    await stream.aclose()  # the loop's generator ends here, not whenever it is collected
+                    break
             failed = False
         except BaseException as exc:
             # An engine, the router, a reward worker, a weight-update group or the cluster
             # failed, or the user stopped the run: keep a checkpoint of the last rollout the
             # trainer holds exactly (checkpoint_on_failure says which), before the servers stop.
             await on_failure.keep(exc)
+            await write_run_report(out, log)  # what the run recorded until it failed
             if isinstance(exc, EngineRequestError):  # an engine died or refused: one line naming its URL
                 raise RunFailedError(f"rollout engine failed: {' '.join(str(exc).split())}") from None
             raise
@@ -271,8 +305,20 @@ async def train(
     save_weights(config, run.trainer, out)
     for line in final_summary(first, metrics):
         log(line)
+    await write_run_report(out, log)
+    if guard_stop is not None:
+        raise guard_stop
     check_ci_metric(config, out / "metrics.jsonl")
     return out
+
+
+async def write_run_report(out: Path, log: Log) -> None:
+    """Rewrite ``RUN_DIR/report.html`` (atomically, off the event loop's thread). A report
+    that cannot be written is a warning: it never stops the run."""
+    try:
+        await asyncio.to_thread(write_report, [out], out / "report.html")
+    except (MilesError, OSError, ValueError) as exc:
+        log(f"warning: {out / 'report.html'}: the run report was not written: {' '.join(str(exc).split())}")
 
 
 def run_sync(config: Config) -> Path:

@@ -60,6 +60,13 @@ class RunContext:
     the RL loop enters, once its turn is taken, with this process's memory audit there
     (a :class:`~miles_core.memory.MemoryReport`, :func:`~miles_core.training.offload.run_memory_report`)."""
     log: Callable[[str], None] = print
+    guard: Any = None
+    """The reward-hacking guard (:class:`~miles_core.training.guard.RunGuard`), set by the RL
+    loop; checkpoints keep its baselines. None: no guard."""
+    trackers: Any = None
+    """Where records go besides ``metrics.jsonl`` (W&B, TensorBoard:
+    :class:`~miles_core.training.metrics_logging.Trackers`), set by :func:`~miles_core.training.run.train`;
+    the RL loop hands it each evaluation's media. None: no tracker."""
     thread_plan: Any = None
     """The run's :class:`~miles_core.config.thread_plan.ThreadPlan`; with
     ``shared_compute_thread`` the RL loop trains on the embedded engine's thread."""

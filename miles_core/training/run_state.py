@@ -1,6 +1,7 @@
 """Saving and restoring what a run needs to go on exactly where it stopped: the
-trainable weights, the optimizer, the EMA, the RNG streams, the learning-rate schedule
-and a custom data source's state, in one atomic checkpoint (:mod:`~miles_core.training.checkpoint`).
+trainable weights, the optimizer, the EMA, the RNG streams, the learning-rate schedule,
+a custom data source's state and the reward-hacking guard's baselines, in one atomic
+checkpoint (:mod:`~miles_core.training.checkpoint`).
 
 Full fine-tuning on several ranks saves sharded (:mod:`~miles_core.training.sharded_checkpoint`):
 the trainer's ``save_sharded(directory, optimizer=...)`` has every rank write its shards
@@ -15,6 +16,10 @@ from typing import Any
 
 from miles_core.config.model import Config
 from miles_core.errors import RunError
+
+GUARD_KEY = "guard"
+"""The reward-hacking guard's state in a checkpoint's extra state (:meth:`RunGuard.state_dict
+<miles_core.training.guard.RunGuard.state_dict>`)."""
 
 
 def restore_run_state(config: Config, trainer: Any, data_source: Any = None) -> int | None:
@@ -71,6 +76,17 @@ def restore_run_state(config: Config, trainer: Any, data_source: Any = None) -> 
     return checkpoint.rollout_id + 1
 
 
+def restored_guard_state(config: Config) -> dict[str, Any] | None:
+    """The reward-hacking guard's state in the checkpoint ``--load`` resumed from (read
+    from its meta.json only), or None: saved without a guard (``--no-guard``, no
+    evaluations, an older version), so the resumed run's first evaluation is the baseline."""
+    from miles_core.training.checkpoint import read_extra
+
+    extra = read_extra(Path(config.load), config.ckpt_step)
+    state = (extra or {}).get(GUARD_KEY)
+    return state if isinstance(state, dict) else None
+
+
 def _load_sharded(config: Config, trainer: Any, checkpoint: Any) -> None:
     """Read a sharded checkpoint's weights, optimizer state and EMA into ``trainer``."""
     from miles_core.errors import CheckpointError
@@ -109,12 +125,14 @@ def save_run_state(
     *,
     resumed_from: int | None = None,
     rng_state: dict[str, Any] | None = None,
+    guard: Any = None,
 ) -> None:
     """Save checkpoint ``rollout_id`` under ``--save`` (sharded for full fine-tuning on
     several ranks), then apply ``--save-keep-last``, never deleting ``resumed_from`` (the
     checkpoint this run was restored from, when ``--load`` is the same directory).
     ``rng_state``: this process's RNG streams as :func:`~.checkpoint.capture_rng` took
-    them earlier (default: captured now)."""
+    them earlier (default: captured now). ``guard``: the run's
+    :class:`~miles_core.training.guard.RunGuard`, whose baselines are kept."""
     from miles_core.training.checkpoint import capture_rng, rotate_checkpoints, save_checkpoint, trainer_optimizer_state
     from miles_core.training.lr_schedule import SCHEDULE_KEY, schedule_state
     from miles_core.training.sharded_checkpoint import uses_sharded_checkpoints
@@ -129,6 +147,8 @@ def save_run_state(
                 f"values and tensors, got {type(state).__name__}"
             )
         extra["data_source"] = state
+    if guard is not None:
+        extra[GUARD_KEY] = guard.state_dict()
     rank_rng = getattr(trainer, "rank_rng_states", None)
     if rank_rng is not None:  # training ranks on Ray: each one's RNG, restored at the same world size
         extra["rank_rng"] = rank_rng()

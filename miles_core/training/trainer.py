@@ -638,11 +638,52 @@ class Trainer:
             mode = "ema" if self.loss_spec.keeps_ema else ("lora_base" if self.config.use_lora else "none")
         return mode
 
-    @torch.no_grad()
-    def _reference_velocity(self, x: Any, timestep: torch.Tensor, cond: Any, params: Any) -> dict[str, torch.Tensor]:
-        """The reference policy's velocity: the EMA weights (``ema``) or the model with
-        LoRA disabled (``lora_base``)."""
+    def kl_reference(self) -> str | None:
+        """The reference :meth:`reference_kl` measures against: :meth:`reference_mode`, or
+        the EMA when that is ``none`` and the trainer keeps one; None when there is none
+        (full fine-tuning without an EMA)."""
         mode = self.reference_mode()
+        if mode == "none":
+            return "ema" if self.ema is not None else None
+        return mode
+
+    @torch.no_grad()
+    def reference_kl(self, max_pairs: int = 32) -> float | None:
+        """Flow-GRPO's KL term, ``||μ_policy − μ_ref||² / (2·s²)`` averaged over each
+        transition's elements (:func:`~miles_core.losses.kl_to_reference`), then over at
+        most ``max_pairs`` of the latest :meth:`train_rollout`'s transitions, evenly spaced
+        (so every SDE step the rollout trained on is represented), against
+        :meth:`kl_reference`. None without a reference or without transitions to measure on
+        (before this process trained a rollout, e.g. at a resumed run's first evaluation, and
+        under DiffusionNFT, which trains on final latents, not transitions).
+        The reward-hacking guard's KL (:mod:`miles_core.training.guard`)."""
+        from miles_core.losses import kl_to_reference
+
+        mode = self.kl_reference()
+        if mode is None:
+            return None
+        pairs = self.last_pairs
+        if not pairs:
+            return None
+        stride = max(1, math.ceil(len(pairs) / max_pairs))
+        chosen = pairs[::stride][:max_pairs]
+        total, count = 0.0, 0
+        for batch in micro_batches(chosen, self.config):
+            data = on_device(self.prepare(batch), self.family.device)
+            ref_mean = self._reference_mean(data, mode)
+            _, _, mean, scale = self._log_prob(data)
+            kl = kl_to_reference(mean.double(), ref_mean.double(), scale.double() if torch.is_tensor(scale) else scale)
+            total += float(kl.sum())
+            count += kl.numel()
+        return total / max(1, count)
+
+    @torch.no_grad()
+    def _reference_velocity(
+        self, x: Any, timestep: torch.Tensor, cond: Any, params: Any, mode: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The reference policy's velocity: the EMA weights (``ema``) or the model with
+        LoRA disabled (``lora_base``); ``mode`` defaults to :meth:`reference_mode`."""
+        mode = mode or self.reference_mode()
         if mode == "ema":
             if self.ema is None:
                 raise ValueError("--ref-mode ema needs --use-ema")
@@ -660,9 +701,9 @@ class Trainer:
         raise ValueError(f"--ref-mode {mode}: the KL term and nft need a reference policy (lora_base or ema)")
 
     @torch.no_grad()
-    def _reference_mean(self, data: dict[str, Any]) -> torch.Tensor:
+    def _reference_mean(self, data: dict[str, Any], mode: str | None = None) -> torch.Tensor:
         """The reference policy's step mean, for the KL term."""
-        velocity = self._reference_velocity(data["x"], data["timestep"], data["cond"], data["params"])
+        velocity = self._reference_velocity(data["x"], data["timestep"], data["cond"], data["params"], mode)
         result = score_streams(
             self.backend,
             data["x_next"],

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
-from miles_core.api import qwen2_tokenizer
+from miles_core.api import mark_tiny, qwen2_tokenizer
 
 LATENT_CHANNELS = 16
 """Latent channels: the transformer's ``latent_channel`` equals the VAE's ``z_dim``."""
@@ -75,4 +75,5 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out)
+    mark_tiny(out, family="cosmos3")  # commands load it without the hub libraries' notices
     return out

@@ -22,7 +22,7 @@ from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-from miles_core.api import gemma_tokenizer
+from miles_core.api import gemma_tokenizer, mark_tiny
 
 TEXT_HIDDEN = 16
 """Gemma hidden size; also the connectors' width and the transformer's caption channels."""
@@ -221,4 +221,5 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_pipeline(seed=seed).save_pretrained(out)
+    mark_tiny(out, family="ltx")  # commands load it without the hub libraries' notices
     return out

@@ -17,7 +17,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from miles_core.api import qwen2_tokenizer
+from miles_core.api import mark_tiny, qwen2_tokenizer
 
 Z_DIM = 4
 """Latent channels; the transformer sees 2x2-packed latents, so ``in_channels = 4 * Z_DIM``."""
@@ -127,4 +127,5 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out)
+    mark_tiny(out, family="qwen-image")  # commands load it without the hub libraries' notices
     return out

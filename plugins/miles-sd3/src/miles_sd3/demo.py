@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
+from miles_core.api import mark_tiny
 from miles_sd3 import tiny
 
 __all__ = [
@@ -326,6 +327,7 @@ def build_demo(
     vae = demo_vae(seed)
     train_demo_vae(vae, seed=seed, steps_decoder=steps_decoder, steps_encoder=steps_encoder)
     tiny.build_pipeline(seed=seed, vae=vae).save_pretrained(out, safe_serialization=True)
+    mark_tiny(out, family="sd3", demo=True)  # commands load it without the hub libraries' notices
     write_demo_data(out / "demo_data", n=n_images, size=image_size, seed=seed)
     return out
 
@@ -434,4 +436,5 @@ def cached_demo_pipeline(out_dir: str | Path, *, seed: int = 0) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(entry, out_dir, dirs_exist_ok=True)
+    mark_tiny(Path(out_dir), family="sd3", demo=True)  # a cache entry built before the marker existed too
     return Path(out_dir)

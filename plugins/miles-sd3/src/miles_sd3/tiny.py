@@ -31,7 +31,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from miles_core.api import clip_tokenizer, t5_tokenizer
+from miles_core.api import clip_tokenizer, mark_tiny, t5_tokenizer
 
 CLIP_HIDDEN = 16
 CLIP_PROJECTION = 16
@@ -233,4 +233,5 @@ def build(out_dir: str | Path, *, seed: int = 0, scale: str = "tiny") -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_pipeline(seed=seed, scale=scale).save_pretrained(out, safe_serialization=True)
+    mark_tiny(out, family="sd3")  # commands load it without the hub libraries' notices
     return out

@@ -15,7 +15,7 @@ import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from miles_core.api import t5_tokenizer
+from miles_core.api import mark_tiny, t5_tokenizer
 
 BOUNDARY_RATIO = 0.875
 """Wan 2.2 A14B: timesteps >= 0.875 x 1000 go to ``transformer``, the rest to ``transformer_2``."""
@@ -111,4 +111,5 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
         boundary_ratio=BOUNDARY_RATIO,
     )
     pipe.save_pretrained(out)
+    mark_tiny(out, family="wan22")  # commands load it without the hub libraries' notices
     return out
