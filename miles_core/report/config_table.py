@@ -46,7 +46,8 @@ def config_html(run: Run) -> str:
         by_group.setdefault(group, []).append((dest, value))
     for group, rows in by_group.items():
         changed = sum(dest in sources for dest, _ in rows)
-        parts.append(f"<details{' open' if changed else ''}><summary>{escape(group)} ({len(rows)} flags, {changed} not default)</summary>")
+        count = f"{len(rows)} flag{'' if len(rows) == 1 else 's'}"
+        parts.append(f"<details{' open' if changed else ''}><summary>{escape(group)} ({count}, {changed} not default)</summary>")
         parts.append('<table class="config"><tr><th>flag</th><th>value</th><th>source</th></tr>')
         for dest, value in rows:
             source = sources.get(dest)
