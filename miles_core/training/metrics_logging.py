@@ -141,10 +141,11 @@ class WandbLogger:
                 key = f"eval/{name}/samples"
                 self._define(key, "rollout_id")
                 row[key] = [self.wandb.Image(str(media.grids[name]), caption=f"{name} {media.tag}")]
+            # The archive's own files (samples/eval/): MP4 with the video extra, else GIF.
             videos = [
-                self._video(frames, f"eval_{name}_{media.tag}_{i:03d}", eval_caption(r))
-                for i, (r, frames) in enumerate(zip(rows, media.frames[name]))
-                if r["video"] is not None
+                self.wandb.Video(str(media.out / archived), caption=eval_caption(r), format=Path(archived).suffix[1:])
+                for r in rows
+                if r["video"] is not None and (archived := r["video"]["mp4"] or r["video"]["gif"])
             ]
             if videos:
                 self._define(f"eval/{name}/videos", "rollout_id")

@@ -89,10 +89,11 @@ class TensorBoardLogger:
             for row, frames in zip(rows, media.frames[name]):
                 cell = f"p{row['prompt_index']:03d}_s{row['sample_index']:02d}"
                 poster = frames[0] if frames.ndim == 4 else frames
-                png = encode.png_bytes(poster)
+                png = (media.out / row["image"]).read_bytes()  # the archived PNG (a video's poster)
                 self.writer.add_summary(image_summary(f"eval/{name}/{cell}", png, poster.shape[0], poster.shape[1]), step)
                 if row["video"] is not None:
-                    gif = encode.gif_bytes(frames, row["video"]["fps"])
+                    archived = row["video"]["gif"]  # the archive's GIF when it wrote one (no video extra)
+                    gif = (media.out / archived).read_bytes() if archived else encode.gif_bytes(frames, row["video"]["fps"])
                     summary = image_summary(f"eval/{name}/video/{cell}", gif, frames.shape[1], frames.shape[2])
                     self.writer.add_summary(summary, step)
         self.writer.flush()
