@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,9 @@ class ModelFamily(abc.ABC):
     """Names of the latent streams, the primary one first."""
     batched_outputs: ClassVar[bool] = True
     """False when the forward has no batch dimension (Cosmos 3): the engine loops."""
+    tiny_variants: ClassVar[tuple[str, ...]] = ()
+    """Names :meth:`build_tiny_pipeline` takes as ``variant`` (``make-tiny --variant``), the
+    default first; empty when the family builds one kind of tiny pipeline."""
 
     def __init__(self, pipeline: DiffusionPipeline, *, device: Any = "cpu", dtype: Any = None) -> None:
         import torch
@@ -244,7 +248,10 @@ class ModelFamily(abc.ABC):
     # -- class side -------------------------------------------------------------------
 
     @classmethod
-    def resolve_pipeline_class(cls) -> type[DiffusionPipeline]:
+    def resolve_pipeline_class(cls, checkpoint: str | Path | None = None) -> type[DiffusionPipeline]:
+        """The diffusers class :meth:`load_pipeline` loads ``checkpoint`` with:
+        :attr:`pipeline_class`. A family serving several pipeline classes (FLUX) overrides
+        it to read the checkpoint's ``model_index.json``."""
         module_name, _, attr = cls.pipeline_class.partition(":")
         return getattr(importlib.import_module(module_name), attr)
 
@@ -262,7 +269,7 @@ class ModelFamily(abc.ABC):
         problem = checkpoint_problem(checkpoint)
         if problem is not None:
             raise CheckpointError(f"{cls.__name__}: checkpoint {problem}")
-        pipeline_cls = cls.resolve_pipeline_class()
+        pipeline_cls = pipeline_class_for(cls, checkpoint)
         if dtype is not None:
             kwargs["dtype"] = dtype  # diffusers' name since 0.36 (torch_dtype is deprecated)
         with quiet_hub_load(checkpoint):
@@ -273,6 +280,7 @@ class ModelFamily(abc.ABC):
         """Write a randomly initialised, tiny version of the family's real pipeline
         (real classes, tiny configs, locally built tokenizers; nothing downloaded) to
         ``out_dir`` with ``save_pretrained``, deterministically for a given ``seed``.
+        A family with :attr:`tiny_variants` also takes ``variant=`` (one of them).
         Returns the directory. ``pipeline_class.from_pretrained(out_dir)`` loads it."""
         raise NotImplementedError(f"{cls.__name__} has no tiny pipeline factory")
 
@@ -282,6 +290,16 @@ class ModelFamily(abc.ABC):
         diffusers resolves it, or ``None`` when it cannot be told without loading the
         model (for example a hub id). Reads only JSON files."""
         return None
+
+
+def pipeline_class_for(family: type[ModelFamily], checkpoint: str | Path) -> type[DiffusionPipeline]:
+    """``family.resolve_pipeline_class(checkpoint)``: the diffusers class that loads
+    ``checkpoint``. An override written before the method took the checkpoint (no
+    ``checkpoint`` parameter) is called without it."""
+    resolve = family.resolve_pipeline_class
+    if "checkpoint" in inspect.signature(resolve).parameters:
+        return resolve(checkpoint)
+    return resolve()
 
 
 def flow_shift_key(scheduler: Any) -> str | None:

@@ -6,7 +6,7 @@ A family plugin's tests call these instead of re-deriving them; each check raise
 so a test can print it. They generalise what the SD3 tests pin:
 
 - :func:`tiny_train_args` / :func:`run_training`: a short Flow-GRPO run with LoRA on
-  the tiny pipeline, in process.
+  the tiny pipeline, in process (:func:`tiny_sft_args`: a short SFT run on random images).
 - :func:`check_alignment_probe`: the engine and the trainer compute the same log-probs
   and model outputs, exactly (``--debug-skip-optimizer-step --diffusion-debug-mode``
   with the micro-batch tile that reproduces the engine's microgroups).
@@ -106,6 +106,75 @@ def tiny_train_args(checkpoint: str | Path, out_dir: str | Path, *extra: str, fa
         str(out),
         *extra,
     ]
+
+
+def tiny_sft_args(
+    checkpoint: str | Path, out_dir: str | Path, prompts: Sequence[str], *extra: str, size: int, family: str | None = None
+) -> list[str]:
+    """The flags of a short SFT run (``sft_loss`` with LoRA) on a tiny pipeline: one random
+    RGB image per prompt (40x48 pixels, cropped to ``size`` x ``size`` by the data loader),
+    all rows in one micro-batch, 2 rollouts, fp32; ``extra`` is appended. Writes the
+    images and the rows (``out_dir/sft.jsonl``); the run's ``--output-dir`` is
+    ``out_dir/run``."""
+    import numpy as np
+    from PIL import Image
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        pixels = np.random.default_rng(i).integers(0, 256, size=(40, 48, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(out / f"image{i}.png")
+        rows.append(json.dumps({"input": prompt, "image": f"image{i}.png"}) + "\n")
+    (out / "sft.jsonl").write_text("".join(rows), encoding="utf-8")
+    rows_per_rollout = str(len(prompts))
+    return [
+        "--hf-checkpoint",
+        str(checkpoint),
+        *_family_flags(family),
+        "--prompt-data",
+        str(out / "sft.jsonl"),
+        "--loss-type",
+        "sft_loss",
+        "--rollout-batch-size",
+        rows_per_rollout,
+        "--n-samples-per-prompt",
+        "1",
+        "--micro-batch-size",
+        rows_per_rollout,
+        "--diffusion-height",
+        str(size),
+        "--diffusion-width",
+        str(size),
+        "--use-lora",
+        "--lora-rank",
+        "4",
+        "--num-rollout",
+        "2",
+        "--diffusion-forward-dtype",
+        "fp32",
+        "--output-dir",
+        str(out / "run"),
+        *extra,
+    ]
+
+
+def recipe_flags(recipe: str | Path, keys: Sequence[str]) -> list[str]:
+    """The values of ``keys`` in a recipe file (``recipes/*.yaml``) as command-line flags
+    (``diffusion_noise_level: 1.2`` -> ``--diffusion-noise-level 1.2``; true: the bare
+    switch; false: nothing), so a family's tests run the recipe's own settings."""
+    import yaml
+
+    values = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
+    flags: list[str] = []
+    for key in keys:
+        flag = "--" + key.replace("_", "-")
+        value = values[key]
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _resolve_for_training(args: Sequence[str]) -> Any:

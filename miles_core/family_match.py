@@ -205,3 +205,19 @@ def match_family(checkpoint: str | os.PathLike[str], registry: Any) -> Any:
     else:
         what = "no local directory of that name, and as a hub id no installed model family matches its name"
     raise FamilyMatchError(f"--hf-checkpoint {value}: {what} ({_installed(registry, with_classes=pipeline is not None)}); {OVERRIDE}")
+
+
+def default_lora_targets(spec: Any, checkpoint: str | Path) -> tuple[str, ...]:
+    """The default ``--lora-target-modules`` of ``spec``'s family for ``checkpoint``: the
+    targets listed for the pipeline class its ``model_index.json`` names
+    (``lora_target_modules_by_pipeline``), else the family's ``lora_target_modules``."""
+    by_pipeline = dict(spec.lora_target_modules_by_pipeline)
+    directory = Path(checkpoint)
+    if by_pipeline and str(checkpoint) and (directory / MODEL_INDEX).is_file():  # "": no checkpoint, not "."
+        try:
+            pipeline = read_model_index(directory)["_class_name"]
+        except FamilyMatchError:
+            pipeline = None  # the match reports an unreadable index; the family default stands
+        if pipeline in by_pipeline:
+            return by_pipeline[pipeline]
+    return spec.lora_target_modules

@@ -118,6 +118,7 @@ def load_sft_family(config: Any) -> Any:
     from pathlib import Path
 
     from miles_core.errors import RunError
+    from miles_core.family import pipeline_class_for
 
     dtype = torch_dtype(config.diffusion_forward_dtype)
     device = model_device()
@@ -133,7 +134,7 @@ def load_sft_family(config: Any) -> Any:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunError(f"{flag}: unreadable model_index.json ({exc})".replace("\n", " ")) from None
-    pipeline_cls = family_cls.resolve_pipeline_class()
+    pipeline_cls = pipeline_class_for(family_cls, config.hf_checkpoint)
     wanted = encoder_components(pipeline_cls)
     absent = [n for n in wanted if isinstance(index.get(n), list) and index[n][:1] == [None]]
     missing = [n for n in wanted if n not in index or (n not in absent and not (root / n).is_dir())]

@@ -79,6 +79,11 @@ class ModelFamilySpec(Spec):
     """Pipeline components that training updates and weight sync sends."""
     lora_target_modules: tuple[str, ...]
     """Default ``--lora-target-modules`` (module-name suffixes as PEFT matches them)."""
+    lora_target_modules_by_pipeline: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``(pipeline class, targets)`` pairs for a family whose pipeline classes name their
+    layers differently (FLUX.1 and FLUX.2): a local ``--hf-checkpoint`` whose
+    ``model_index.json`` names one of them gets those targets by default instead of
+    :attr:`lora_target_modules` (which a hub id, read before it is downloaded, gets)."""
     n_samples_per_prompt: int
     """Recipe group size (GRPO ``n``)."""
     rollout_microgroup_size: int
@@ -133,6 +138,20 @@ class ModelFamilySpec(Spec):
         unknown = [o for o in self.generation_options if o not in FAMILY_GENERATION_OPTIONS]
         if unknown:
             raise ValueError(f"ModelFamilySpec {self.name!r}: generation_options {unknown} not among {sorted(FAMILY_GENERATION_OPTIONS)}")
+        by_pipeline = self.lora_target_modules_by_pipeline
+        if not isinstance(by_pipeline, tuple) or not all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and pair[0] in self.pipeline_classes
+            and isinstance(pair[1], tuple)
+            and pair[1]
+            and all(isinstance(v, str) and v for v in pair[1])
+            for pair in by_pipeline
+        ):
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: lora_target_modules_by_pipeline must be (pipeline class, tuple of "
+                f"strings) pairs whose classes are among pipeline_classes {self.pipeline_classes!r}"
+            )
         if not self.trainable_components:
             raise ValueError(f"ModelFamilySpec {self.name!r}: trainable_components is empty")
         for field in ("n_samples_per_prompt", "rollout_microgroup_size"):

@@ -185,27 +185,32 @@ def directory_size(directory: str | Path) -> int:
 
 
 def load_tiny_pipeline(family: Any, directory: str | Path) -> Any:
-    """``family.load_pipeline(directory)``, checked to be exactly the family's
-    ``pipeline_class``, with its progress bar off."""
+    """``family.load_pipeline(directory)``, checked to be exactly the class the family
+    resolves for ``directory`` (its ``pipeline_class``), with its progress bar off."""
+    from miles_core.family import pipeline_class_for
+
     pipe = family.load_pipeline(directory)
-    expected = family.resolve_pipeline_class()
+    expected = pipeline_class_for(family, directory)
     assert type(pipe) is expected, f"{family.__name__}.load_pipeline gave a {type(pipe).__name__}, expected {expected.__name__}"
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def tiny_pipeline_fixtures(family: Any, *, seed: int = 0) -> tuple[Any, Any]:
+def tiny_pipeline_fixtures(family: Any, *, seed: int = 0, variant: str | None = None) -> tuple[Any, Any]:
     """Module-scoped pytest fixtures ``(tiny_dir, pipe)``: ``family``'s tiny pipeline built
-    once with ``seed`` into a temporary directory, and that directory loaded with
-    :func:`load_tiny_pipeline`. Assign them to those names in a test module::
+    once with ``seed`` (and ``variant``, for a family with ``tiny_variants``) into a
+    temporary directory, and that directory loaded with :func:`load_tiny_pipeline`. Assign
+    them to those names in a test module::
 
         tiny_dir, pipe = testing.tiny_pipeline_fixtures(SD3Family)
     """
     import pytest
 
+    options: dict[str, Any] = {"seed": seed} if variant is None else {"seed": seed, "variant": variant}
+
     @pytest.fixture(scope="module")
     def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return Path(family.build_tiny_pipeline(tmp_path_factory.mktemp(family.__name__) / "tiny", seed=seed))
+        return Path(family.build_tiny_pipeline(tmp_path_factory.mktemp(family.__name__) / "tiny", **options))
 
     @pytest.fixture(scope="module")
     def pipe(tiny_dir: Path) -> Any:

@@ -10,7 +10,7 @@ bash scripts/install.sh
 miles=.venv/bin/miles-core
 
 $miles list-plugins
-for family in sd3 wan2_2 ltx qwen_image cosmos3; do
+for family in sd3 wan2_2 ltx qwen_image cosmos3 flux; do
   dir="runs/tiny/$family"
   if [ -f "$dir/model_index.json" ]; then
     echo "runs/tiny/$family: already there, reused"

@@ -90,7 +90,7 @@ else
     done
     export PIP_CONFIG_FILE=/dev/null  # no index or find-links from this machine's pip configuration
     install=("${pip[@]}" --disable-pip-version-check install --quiet --no-index --find-links "$WHEELS" -c "$constraints")
-    "${install[@]}" miles-core miles-sd3 miles-wan22 miles-ltx miles-qwen-image miles-cosmos3 miles-rewards
+    "${install[@]}" miles-core miles-sd3 miles-wan22 miles-ltx miles-qwen-image miles-cosmos3 miles-flux miles-rewards
     # Same version number, new code: our wheels are reinstalled whenever they were rebuilt.
     "${install[@]}" --no-deps --force-reinstall "$WHEELS"/miles_*.whl
     echo "$wanted" > "$stamp"

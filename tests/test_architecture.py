@@ -25,6 +25,7 @@ FIRST_PARTY = (
     "miles_ltx",
     "miles_qwen_image",
     "miles_cosmos3",
+    "miles_flux",
     "miles_rewards",
     "miles_example",
     "miles_example_reward",

@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 def test_docs_cli_md_is_current():
     host = PluginHost(strict=True)
     # docs/cli.md documents this repository's plugins too, so all of them must be loaded.
-    assert {r.name for r in host.records if r.status == "ok"} >= {"core", "sd3", "wan22", "ltx", "qwen_image", "cosmos3", "rewards"}
+    assert {r.name for r in host.records if r.status == "ok"} >= {"core", "sd3", "wan22", "ltx", "qwen_image", "cosmos3", "flux", "rewards"}
     assert DOC.read_text(encoding="utf-8") == render(host), (
         "docs/cli.md is stale: run python -m miles_core.cli_reference --write docs/cli.md"
     )

@@ -82,6 +82,7 @@ def test_family_from_name_patterns_and_override():
     assert resolve("--hf-checkpoint", "Lightricks/LTX-2", *base).model_family == "ltx"
     assert resolve("--hf-checkpoint", "Qwen/Qwen-Image", *base).model_family == "qwen_image"
     assert resolve("--hf-checkpoint", "nvidia/Cosmos3-2B", *base).model_family == "cosmos3"
+    assert resolve("--hf-checkpoint", "black-forest-labs/FLUX.1-dev", *base).model_family == "flux"
     c = resolve("--hf-checkpoint", "/models/my-finetune", "--diffusion-model-family", "sd3", *base)
     assert c.model_family == "sd3" and c.components["model_family"].provider.startswith("miles-sd3 ")
 
@@ -89,10 +90,12 @@ def test_family_from_name_patterns_and_override():
 @pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_unknown_or_unmatched_family_lists_installed():
     (message,) = errors_of("--hf-checkpoint", "acme/mystery", "--rollout-batch-size", "1")
-    assert "as a hub id no installed model family matches its name (installed: cosmos3, ltx, qwen_image, sd3, wan2_2)" in message
+    assert "as a hub id no installed model family matches its name (installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2)" in message
     assert "pass --diffusion-model-family" in message
-    (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "flux")
-    assert message.startswith("--diffusion-model-family flux: unknown model family; installed: cosmos3, ltx, qwen_image, sd3, wan2_2")
+    (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "hunyuan")
+    assert message.startswith(
+        "--diffusion-model-family hunyuan: unknown model family; installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2"
+    )
 
 
 def test_family_and_pipeline_config_are_exclusive():

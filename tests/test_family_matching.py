@@ -23,7 +23,7 @@ from miles_core.hookspecs import ENTRY_POINT_GROUP
 from miles_core.plugin_manager import PluginHost, get_host
 from tests.fake_dists import entry_points_in, make_dist
 
-REPO_FAMILIES = {"sd3", "wan2_2", "ltx", "qwen_image", "cosmos3"}
+REPO_FAMILIES = {"sd3", "wan2_2", "ltx", "qwen_image", "cosmos3", "flux"}
 INSTALLED = get_host().registries.model_family.names()
 
 REQUIRED = ["--rollout-batch-size", "1", "--diffusion-num-sde-steps", "2"]
@@ -353,6 +353,15 @@ def test_a_broken_check_names_its_family_and_plugin(tiny, neutral: Path, host_wi
         ({"checkpoint_check": "pkg.mod:check"}, "checkpoint_check needs pipeline_classes"),
         ({"default_guidance_scale": -1.0}, "default_guidance_scale -1.0 must be a finite number >= 0"),
         ({"default_guidance_scale": 4.0, "supports_cfg_training": False}, "samples with CFG"),
+        ({"lora_target_modules_by_pipeline": (("WanPipeline", ("q",)),)}, "whose classes are among pipeline_classes ()"),
+        (
+            {"pipeline_classes": ("WanPipeline",), "lora_target_modules_by_pipeline": (("WanPipeline", ()),)},
+            "lora_target_modules_by_pipeline must be (pipeline class, tuple of strings) pairs",
+        ),
+        (
+            {"pipeline_classes": ("WanPipeline",), "lora_target_modules_by_pipeline": {"WanPipeline": ("q",)}},
+            "lora_target_modules_by_pipeline must be (pipeline class, tuple of strings) pairs",
+        ),
     ],
 )
 def test_spec_fields_are_checked(fields: dict[str, Any], error: str) -> None:
@@ -422,3 +431,27 @@ def test_a_family_without_cfg_training_defaults_to_no_guidance(tiny, neutral: Pa
     # Families that train with CFG keep the flag's default.
     sd3 = resolve_config(default_argv("sd3", copy_as(tiny("sd3"), neutral, "other")))
     assert (sd3.diffusion_guidance_scale, sd3.source("diffusion_guidance_scale")) == (4.0, Source.DEFAULT)
+
+
+def test_default_lora_targets_follow_the_pipeline_class(tmp_path: Path) -> None:
+    from miles_core.family_match import default_lora_targets
+
+    spec = ModelFamilySpec(
+        name="f",
+        ref="a:b",
+        checkpoint_patterns=("f",),
+        pipeline_classes=("OnePipeline", "TwoPipeline"),
+        lora_target_modules=("q",),
+        lora_target_modules_by_pipeline=(("TwoPipeline", ("k", "v")),),
+        n_samples_per_prompt=2,
+        rollout_microgroup_size=1,
+    )
+    for name in ("OnePipeline", "TwoPipeline"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(json.dumps({"_class_name": name}), encoding="utf-8")
+    assert default_lora_targets(spec, tmp_path / "TwoPipeline") == ("k", "v")
+    assert default_lora_targets(spec, tmp_path / "OnePipeline") == ("q",)  # the control: another class
+    assert default_lora_targets(spec, "acme/two-pipeline") == ("q",)  # a hub id: nothing to read yet
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model_index.json").write_text("{", encoding="utf-8")
+    assert default_lora_targets(spec, tmp_path / "broken") == ("q",)  # the match reports the file

@@ -21,6 +21,7 @@ REPO_PLUGINS = {
     "ltx": ("miles-ltx", {"model_family": ["ltx"]}),
     "qwen_image": ("miles-qwen-image", {"model_family": ["qwen_image"]}),
     "cosmos3": ("miles-cosmos3", {"model_family": ["cosmos3"]}),
+    "flux": ("miles-flux", {"model_family": ["flux"]}),
     "rewards": (
         "miles-rewards",
         {

@@ -250,3 +250,22 @@ def test_light_plugin_check_resolves_the_families(tmp_path, monkeypatch):
     testing.assert_import_is_light("fake_heavy_heavy")
     with pytest.raises(AssertionError, match="loading plugin 'heavy' and resolving its families loads torch"):
         testing.assert_plugin_is_light("heavy", "fake-heavy")
+
+
+def test_an_override_without_the_checkpoint_parameter_is_still_called(tmp_path) -> None:
+    """``resolve_pipeline_class`` overrides written before it took the checkpoint keep working."""
+    from miles_core.family import pipeline_class_for
+
+    class Old(_FakePipelineFamily):
+        @classmethod
+        def resolve_pipeline_class(cls):
+            return dict
+
+    class New(_FakePipelineFamily):
+        @classmethod
+        def resolve_pipeline_class(cls, checkpoint=None):
+            return list if checkpoint == str(tmp_path) else dict
+
+    assert pipeline_class_for(Old, tmp_path) is dict
+    assert pipeline_class_for(New, str(tmp_path)) is list  # the checkpoint reaches an override that takes it
+    assert pipeline_class_for(New, "elsewhere") is dict

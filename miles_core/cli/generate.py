@@ -232,15 +232,14 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
                     raise UsageError(f"--out {out}: {path.name} exists; refusing to overwrite it (choose another --out or --seed)")
 
     from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.family import ModelFamily, pipeline_class_for
     from miles_core.quiet import show_hub_libraries
 
     show_hub_libraries()  # a hub id with its download progress; a tiny pipeline loads quietly (load_pipeline)
     family_cls = registry.get(family_name).load()
-    pipeline_class = family_cls.resolve_pipeline_class()
+    pipeline_class = pipeline_class_for(family_cls, args.hf_checkpoint)
     steps = args.num_inference_steps or int(_pipeline_default(pipeline_class, "num_inference_steps", 28))
     guidance = args.guidance_scale if args.guidance_scale is not None else float(_pipeline_default(pipeline_class, "guidance_scale", 4.0))
-    from miles_core.family import ModelFamily
-
     own_loader = family_cls.load_lora is not ModelFamily.load_lora  # e.g. Cosmos 3's transformer adapter API
     if args.lora is not None and not own_loader and not hasattr(pipeline_class, "load_lora_weights"):
         raise UsageError(

@@ -1,6 +1,7 @@
-"""``miles-core make-tiny FAMILY DIR [--seed N] [--scale bench] [--demo]``: write a randomly
-initialised, tiny version of a family's real diffusers pipeline, for trying things
-offline (``--scale bench``: a larger one, for benchmarks, where the family has one). The
+"""``miles-core make-tiny FAMILY DIR [--seed N] [--variant V] [--scale bench] [--demo]``: write
+a randomly initialised, tiny version of a family's real diffusers pipeline, for trying
+things offline (``--variant``: another model of the family, such as FLUX.2 [klein] for
+``flux``; ``--scale bench``: a larger one, for benchmarks, where the family has one). The
 directory is written under a temporary name and renamed when complete, so an
 interrupted build never leaves a half-written pipeline; an existing non-empty DIR is
 never overwritten."""
@@ -27,6 +28,12 @@ def build_parser(families: Sequence[str], prog: str = "miles-core make-tiny") ->
     parser.add_argument("family", metavar="FAMILY", help=f"model family: {', '.join(families) or '(none installed)'}")
     parser.add_argument("out_dir", metavar="DIR", help="directory to write (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument(
+        "--variant",
+        default=None,
+        help="which of the family's models to build, for a family that serves several (its tiny_variants, "
+        "listed in the error for an unknown name; the first is the default); a family without variants refuses it",
+    )
     parser.add_argument(
         "--scale",
         choices=SCALES,
@@ -62,6 +69,13 @@ def run(argv: Sequence[str], prog: str = "miles-core make-tiny") -> int:
         if "scale" not in inspect.signature(family.build_tiny_pipeline).parameters:
             parser.error(f"--scale {args.scale}: the {args.family} family builds only its tiny pipeline (no --scale)")
         kwargs["scale"] = args.scale
+    if args.variant is not None:
+        variants = getattr(family, "tiny_variants", ())
+        if not variants:
+            parser.error(f"--variant {args.variant}: the {args.family} family builds one tiny pipeline (no variants)")
+        if args.variant not in variants:
+            parser.error(f"--variant {args.variant}: not a variant of the {args.family} family (its variants: {', '.join(variants)})")
+        kwargs["variant"] = args.variant
     if args.demo:
         if "demo" not in inspect.signature(family.build_tiny_pipeline).parameters:
             parser.error(f"--demo: the {args.family} family has no demo variant")
@@ -80,5 +94,7 @@ def run(argv: Sequence[str], prog: str = "miles-core make-tiny") -> int:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
     kind = "demo" if args.demo else ("tiny" if args.scale in (None, "tiny") else f"{args.scale}-scale")
+    if args.variant is not None:
+        kind += f" {args.variant}"
     print(f"wrote a {kind} {args.family} pipeline to {out_dir} ({size / 1e6:.2f} MB, seed {args.seed})", file=sys.stderr)
     return 0

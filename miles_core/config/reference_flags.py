@@ -366,7 +366,13 @@ _TABLE: tuple[Flag, ...] = (
         range="[0, inf)",
     ),
     _f("rollout", "--diffusion-true-cfg-scale", "float", None, "True-CFG scale for pipelines that use it.", range="[0, inf)"),
-    _f("rollout", "--diffusion-negative-prompt", "str", None, 'Negative prompt; the engine uses " " when CFG is on and this is unset.'),
+    _f(
+        "rollout",
+        "--diffusion-negative-prompt",
+        "str",
+        None,
+        'Negative prompt; when CFG is on and this is unset, the family\'s default (" " for most; "" where the pipeline says so).',
+    ),
     _f("rollout", "--diffusion-noise-level", "float", 0.7, "SDE noise injected during rollout.", range="[0, inf)"),
     _f(
         "rollout",

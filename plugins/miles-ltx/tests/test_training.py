@@ -31,20 +31,6 @@ def recipe() -> dict:
     return yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
 
 
-def recipe_flags(*keys: str) -> list[str]:
-    """The recipe's values of ``keys`` as command-line flags."""
-    values = recipe()
-    flags: list[str] = []
-    for key in keys:
-        flag = "--" + key.replace("_", "-")
-        value = values[key]
-        if value is True:
-            flags.append(flag)
-        elif value is not False:
-            flags += [flag, str(value)]
-    return flags
-
-
 SAMPLING = ("diffusion_sde_type", "diffusion_noise_level", "diffusion_log_prob_no_const", "diffusion_guidance_scale")
 """The recipe's sampling settings, which the engine and the trainer must agree on."""
 
@@ -97,7 +83,7 @@ def test_alignment_probe_is_exactly_zero_with_the_recipe_settings(tiny_dir, tmp_
         tiny_dir,
         tmp_path / "probe",
         *SMALL,
-        *recipe_flags(*SAMPLING),
+        *family_checks.recipe_flags(RECIPE, SAMPLING),
         "--rollout-microgroup-size",
         str(microgroup),
         family="ltx",
@@ -129,7 +115,7 @@ def _engine_and_rollout(tiny_dir, *extra: str):
             "--diffusion-num-sde-steps",
             "2",
             *SMALL,
-            *recipe_flags(*SAMPLING),
+            *family_checks.recipe_flags(RECIPE, SAMPLING),
             "--diffusion-forward-dtype",
             "fp32",
             *extra,
@@ -211,7 +197,7 @@ def test_training_reaches_the_audio_branch(tiny_dir) -> None:
 
 
 def test_training_reaches_every_trainable_component(tiny_dir) -> None:
-    norms = family_checks.check_training_reaches_components(tiny_dir, *SMALL, *recipe_flags(*SAMPLING), family="ltx")
+    norms = family_checks.check_training_reaches_components(tiny_dir, *SMALL, *family_checks.recipe_flags(RECIPE, SAMPLING), family="ltx")
     assert set(norms) == {"transformer"}
     print(f"gradient norms after one step: {norms}")
 
@@ -221,7 +207,7 @@ def test_short_flow_grpo_lora_run_completes(tiny_dir, tmp_path) -> None:
         tiny_dir,
         tmp_path / "run",
         *SMALL,
-        *recipe_flags(*SAMPLING, "diffusion_clip_range"),
+        *family_checks.recipe_flags(RECIPE, (*SAMPLING, "diffusion_clip_range")),
         "--rollout-microgroup-size",
         str(recipe()["rollout_microgroup_size"]),
         "--lr",

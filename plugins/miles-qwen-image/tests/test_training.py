@@ -103,65 +103,11 @@ def test_nft_lora_run_completes(tiny_dir: Path, tmp_path: Path) -> None:
 
 def test_sft_run_on_images_with_prompts_of_different_lengths(tiny_dir: Path, tmp_path: Path) -> None:
     """SFT encodes images with encode_pixels and batches two prompts of different lengths."""
-    import numpy as np
-    from PIL import Image
-
-    rows = []
-    for i, prompt in enumerate(("a red cube", LONG_PROMPT)):
-        pixels = np.random.default_rng(i).integers(0, 256, size=(40, 48, 3), dtype=np.uint8)  # cropped to 32x32
-        Image.fromarray(pixels).save(tmp_path / f"image{i}.png")
-        rows.append(json.dumps({"input": prompt, "image": f"image{i}.png"}) + "\n")
-    (tmp_path / "sft.jsonl").write_text("".join(rows), encoding="utf-8")
     records = family_checks.run_training(
-        [
-            "--hf-checkpoint",
-            str(tiny_dir),
-            "--diffusion-model-family",
-            FAMILY,
-            "--prompt-data",
-            str(tmp_path / "sft.jsonl"),
-            "--loss-type",
-            "sft_loss",
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "1",
-            "--micro-batch-size",
-            "2",
-            "--diffusion-height",
-            str(SIZE),
-            "--diffusion-width",
-            str(SIZE),
-            "--use-lora",
-            "--lora-rank",
-            "4",
-            "--num-rollout",
-            "2",
-            "--diffusion-forward-dtype",
-            "fp32",
-            "--output-dir",
-            str(tmp_path / "run"),
-        ]
+        family_checks.tiny_sft_args(tiny_dir, tmp_path, ("a red cube", LONG_PROMPT), size=SIZE, family=FAMILY)
     )
     assert len(records) == 2
     assert all(math.isfinite(r["train/sft_loss"]) and r["train/grad_norm"] > 0 for r in records)
-
-
-def _recipe_flags() -> list[str]:
-    """The recipe's sampling, loss and LoRA-init settings as flags (its sizes, step count,
-    group sizes and rank stay tiny)."""
-    import yaml
-
-    recipe = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
-    flags: list[str] = []
-    for key in RECIPE_KEYS:
-        value = recipe[key]
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False:
-            flags += [flag, str(value)]
-    return flags
 
 
 @pytest.mark.exercises("--diffusion-true-cfg-scale")
@@ -169,7 +115,7 @@ def test_alignment_probe_with_the_recipe_has_zero_drift(tiny_dir: Path, tmp_path
     """The recipe's settings (true CFG 4, noise level 1.2, a 2-step SDE window in [0, 5),
     gradient checkpointing, ...) on the tiny pipeline: the trainer recomputes the engine's
     log-probs and model outputs exactly."""
-    flags = _recipe_flags()
+    flags = family_checks.recipe_flags(RECIPE, RECIPE_KEYS)
     assert flags[flags.index("--diffusion-true-cfg-scale") + 1] == "4.0"
     record = family_checks.check_alignment_probe(_args(tiny_dir, tmp_path, "--diffusion-num-steps", "6", *flags))
     print({k: v for k, v in record.items() if "abs_diff" in k and not k.endswith("_per_step")})
