@@ -118,6 +118,9 @@ class ModelFamily(abc.ABC):
     """The diffusers pipeline class, ``"diffusers:StableDiffusion3Pipeline"``."""
     latent_streams: ClassVar[tuple[str, ...]] = ("latents",)
     """Names of the latent streams, the primary one first."""
+    audio_latent_streams: ClassVar[tuple[str, ...]] = ()
+    """The latent streams :meth:`encode_audio` fills (LTX-2: ``audio_latents``); the
+    others come from :meth:`encode_pixels`. SFT rows of such a family need an audio file."""
     batched_outputs: ClassVar[bool] = True
     """False when the forward has no batch dimension (Cosmos 3): the engine loops."""
     tiny_variants: ClassVar[tuple[str, ...]] = ()
@@ -215,6 +218,18 @@ class ModelFamily(abc.ABC):
         ``x0``, the inverse of :meth:`decode`; used by SFT. Families that support SFT
         override it."""
         raise NotImplementedError(f"the {type(self).__name__} family cannot encode pixels (no SFT support yet)")
+
+    def encode_audio(self, waveform: torch.Tensor, sample_rate: int, params: GenerationParams) -> Latents:
+        """A waveform in [-1, 1], ``[B, channels, samples]`` at ``sample_rate`` Hz, to the
+        clean latents of :attr:`audio_latent_streams` for a clip of ``params``' length
+        (``num_frames / fps`` seconds from the start); used by SFT, which passes the
+        file's first ``num_frames / fps`` seconds plus up to one more (for a resampler's
+        look-ahead; less where the file ends) and checks from the file's header, before
+        training, that it holds ``round(num_frames / fps x sample_rate)`` samples. Optional:
+        only a family with an audio stream implements it. A waveform the family cannot use (too
+        short, wrong channel count) raises ``ValueError`` whose message continues
+        "audio FILE ..." (for example "lasts 0.2 s; the clip needs 0.375 s")."""
+        raise NotImplementedError(f"the {type(self).__name__} family has no audio stream to encode")
 
     def save_lora(self, directory: str | Path, modules: Mapping[str, torch.nn.Module]) -> Path:
         """Write the LoRA adapters of ``modules`` (component name -> PEFT-adapted module)

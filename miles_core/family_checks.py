@@ -6,7 +6,8 @@ A family plugin's tests call these instead of re-deriving them; each check raise
 so a test can print it. They generalise what the SD3 tests pin:
 
 - :func:`tiny_train_args` / :func:`run_training`: a short Flow-GRPO run with LoRA on
-  the tiny pipeline, in process (:func:`tiny_sft_args`: a short SFT run on random images).
+  the tiny pipeline, in process (:func:`tiny_sft_args`: a short SFT run on random images;
+  :func:`check_video_sft_fits_a_clip`: video SFT on a fixed clip against an lr-0 control).
 - :func:`check_alignment_probe`: the engine and the trainer compute the same log-probs
   and model outputs, exactly (``--debug-skip-optimizer-step --diffusion-debug-mode``
   with the micro-batch tile that reproduces the engine's microgroups).
@@ -108,6 +109,28 @@ def tiny_train_args(checkpoint: str | Path, out_dir: str | Path, *extra: str, fa
     ]
 
 
+def _sft_flags(checkpoint: str | Path, family: str | None, rows: Path, size: int, batch: str) -> list[str]:
+    """What every tiny SFT run sets: the checkpoint, its rows, the loss, one sample per
+    row, ``batch`` rows per rollout, ``size`` x ``size``."""
+    return [
+        "--hf-checkpoint",
+        str(checkpoint),
+        *_family_flags(family),
+        "--prompt-data",
+        str(rows),
+        "--loss-type",
+        "sft_loss",
+        "--rollout-batch-size",
+        batch,
+        "--n-samples-per-prompt",
+        "1",
+        "--diffusion-height",
+        str(size),
+        "--diffusion-width",
+        str(size),
+    ]
+
+
 def tiny_sft_args(
     checkpoint: str | Path, out_dir: str | Path, prompts: Sequence[str], *extra: str, size: int, family: str | None = None
 ) -> list[str]:
@@ -129,23 +152,9 @@ def tiny_sft_args(
     (out / "sft.jsonl").write_text("".join(rows), encoding="utf-8")
     rows_per_rollout = str(len(prompts))
     return [
-        "--hf-checkpoint",
-        str(checkpoint),
-        *_family_flags(family),
-        "--prompt-data",
-        str(out / "sft.jsonl"),
-        "--loss-type",
-        "sft_loss",
-        "--rollout-batch-size",
-        rows_per_rollout,
-        "--n-samples-per-prompt",
-        "1",
+        *_sft_flags(checkpoint, family, out / "sft.jsonl", size, rows_per_rollout),
         "--micro-batch-size",
         rows_per_rollout,
-        "--diffusion-height",
-        str(size),
-        "--diffusion-width",
-        str(size),
         "--use-lora",
         "--lora-rank",
         "4",
@@ -157,6 +166,122 @@ def tiny_sft_args(
         str(out / "run"),
         *extra,
     ]
+
+
+CLIP_FPS = 8.0
+"""The frame rate of :func:`write_sft_clip`'s video (the runs' ``--diffusion-fps`` is this
+over the stride)."""
+
+
+def write_sft_clip(out_dir: str | Path, *, size: int, frames: int, audio_seconds: float | None = None) -> dict[str, str]:
+    """A fixed clip for SFT tests in ``out_dir``: ``frames`` frames of ``size`` x ``size``
+    pixels (a red ramp that shifts one column per frame, a blue top half, green rising
+    frame by frame) as ``clip.mp4`` at :data:`CLIP_FPS`; with ``audio_seconds``, a
+    22.05 kHz stereo 16-bit WAV ``clip.wav`` (a 440 Hz tone left, 660 Hz right). Returns
+    the row's file entries (``{"video": ..., "audio": ...}``)."""
+    import wave
+
+    import numpy as np
+
+    from miles_core import media
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    video = np.zeros((frames, size, size, 3), dtype=np.uint8)
+    ramp = np.linspace(0, 255, size).astype(np.uint8)
+    for i in range(frames):
+        video[i, :, :, 0] = np.roll(ramp, i)[None, :]
+        video[i, :, :, 1] = (40 * i) % 256
+        video[i, : size // 2, :, 2] = 200
+    media.write_mp4(out / "clip.mp4", video, fps=CLIP_FPS)
+    entries = {"video": "clip.mp4"}
+    if audio_seconds is not None:
+        rate = 22050
+        t = np.arange(round(audio_seconds * rate)) / rate
+        tone = np.stack([np.sin(2 * np.pi * 440 * t), 0.5 * np.sin(2 * np.pi * 660 * t)], axis=1)
+        with wave.open(str(out / "clip.wav"), "wb") as writer:
+            writer.setnchannels(2)
+            writer.setsampwidth(2)
+            writer.setframerate(rate)
+            writer.writeframes((tone * 0.5 * 32767).astype("<i2").tobytes())
+        entries["audio"] = "clip.wav"
+    return entries
+
+
+def tiny_video_sft_args(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *extra: str,
+    size: int,
+    frames: int,
+    lr: float,
+    stride: int = 1,
+    steps: int = 8,
+    audio: bool = False,
+    family: str | None = None,
+    video_key: str = "video",
+    audio_key: str = "audio",
+) -> list[str]:
+    """The flags of a short video SFT run on a tiny pipeline: two rows of one fixed clip
+    (:func:`write_sft_clip`, ``(frames - 1) x stride + 1`` frames, with its WAV file when
+    ``audio``) under ``video_key`` (and ``audio_key``: other keys than the defaults add
+    ``--sft-video-key`` / ``--sft-audio-key``), one rollout of ``steps`` optimizer steps on
+    both rows, full fine-tuning at ``lr``, 2 denoising steps, fp32; ``extra`` is appended.
+    The run's ``--output-dir`` is ``out_dir/run``."""
+    out = Path(out_dir)
+    entries = write_sft_clip(
+        out, size=size, frames=(frames - 1) * stride + 1, audio_seconds=frames * stride / CLIP_FPS + 0.5 if audio else None
+    )
+    keys = {"video": video_key, "audio": audio_key}
+    row = json.dumps({"input": "a moving ramp", **{keys[what]: file for what, file in entries.items()}}) + "\n"
+    key_flags = [
+        *(["--sft-video-key", video_key] if video_key != "video" else []),
+        *(["--sft-audio-key", audio_key] if audio_key != "audio" else []),
+    ]
+    (out / "sft.jsonl").write_text(row * 2, encoding="utf-8")
+    return [
+        *_sft_flags(checkpoint, family, out / "sft.jsonl", size, str(2 * steps)),
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--diffusion-num-steps",
+        "2",
+        "--diffusion-output-num-frames",
+        str(frames),
+        "--diffusion-fps",
+        str(CLIP_FPS / stride),  # the clip's own rate: every stride-th frame of CLIP_FPS
+        "--sft-frame-stride",
+        str(stride),
+        *key_flags,
+        "--lr",
+        str(lr),
+        "--num-rollout",
+        "1",
+        "--diffusion-forward-dtype",
+        "fp32",
+        "--output-dir",
+        str(out / "run"),
+        *extra,
+    ]
+
+
+def check_video_sft_fits_a_clip(checkpoint: str | Path, out_dir: str | Path, *extra: str, lr: float, **clip: Any) -> dict[str, Any]:
+    """Run :func:`tiny_video_sft_args` at ``lr`` and, as the control, at lr 0 (the same
+    rows, steps and noise: both runs draw from ``(--seed, optimizer step)``); the first
+    step's loss must be the same in both (same weights, same draws). Returns the
+    per-step losses (``trained``, ``control``), the last records and the run folders, for
+    the family's test to judge the fall and the weights."""
+    out = Path(out_dir)
+    result: dict[str, Any] = {}
+    for name, rate in (("trained", lr), ("control", 0.0)):
+        records = run_training(tiny_video_sft_args(checkpoint, out / name, *extra, lr=rate, **clip))
+        assert len(records) == 1, f"{name}: expected one rollout, got {len(records)}"
+        result[name] = records[0]["train/loss_per_step"]
+        result[f"{name}_record"] = records[0]
+        result[f"{name}_run"] = out / name / "run"
+    assert result["trained"][0] == result["control"][0], "the first step ran other weights or draws than the control's"
+    return result
 
 
 def recipe_flags(recipe: str | Path, keys: Sequence[str]) -> list[str]:

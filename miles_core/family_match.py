@@ -10,7 +10,10 @@ class can serve several models (``WanPipeline`` runs Wan 2.1, Wan 2.2 A14B and T
 so a family claims a directory only after reading it. Exactly one claim selects the
 family; several, or none among families that list the class, is an error. A pipeline
 class no installed family lists, and every hub id, falls back to the families' name
-patterns (case-insensitive substrings of the value, ``fnmatch`` wildcards allowed).
+patterns (case-insensitive substrings of the value, ``fnmatch`` wildcards allowed). When
+several families' patterns match, a family whose matching pattern contains another's
+matching pattern is the more specific and wins over it (``wan2.2-ti2v`` over ``wan2.2``:
+``Wan-AI/Wan2.2-TI2V-5B-Diffusers`` is TI2V-5B, not A14B); several left is an error.
 ``--diffusion-model-family`` skips all of this.
 
 Local path or hub id: a value that is an existing directory is local. Otherwise it is a
@@ -164,6 +167,27 @@ def names_matching(checkpoint: str, registry: Any) -> list[Any]:
     return [reg for reg in registry if any(fnmatch.fnmatch(haystack, f"*{pattern.lower()}*") for pattern in reg.spec.checkpoint_patterns)]
 
 
+def most_specific(checkpoint: str, matches: list[Any]) -> list[Any]:
+    """Of ``matches`` (registrations whose name patterns match ``checkpoint``), those that
+    no other one refines: a family refines another when one of its patterns that matches
+    contains, as a longer string, one of the other's patterns that matches."""
+    haystack = checkpoint.lower()
+    matched = {
+        reg.name: [p.lower() for p in reg.spec.checkpoint_patterns if fnmatch.fnmatch(haystack, f"*{p.lower()}*")] for reg in matches
+    }
+
+    def refined(reg: Any) -> bool:
+        return any(
+            len(wider) > len(narrow) and narrow in wider
+            for other in matches
+            if other.name != reg.name
+            for wider in matched[other.name]
+            for narrow in matched[reg.name]
+        )
+
+    return [reg for reg in matches if not refined(reg)]
+
+
 def _failed(registry: Any) -> str:
     """The plugins that failed to load (one of them may have been the family), if any."""
     return f"; plugins that failed to load: {'; '.join(registry.unavailable)}" if registry.unavailable else ""
@@ -193,7 +217,7 @@ def match_family(checkpoint: str | os.PathLike[str], registry: Any) -> Any:
         if found is not None:
             return found
         pipeline = index["_class_name"]
-    matches = names_matching(value, registry)
+    matches = most_specific(value, names_matching(value, registry))
     if len(matches) == 1:
         return matches[0]
     if matches:

@@ -1,16 +1,21 @@
 """Encoders for images and videos: one place for each format, used by ``miles-core
-generate``, the evaluation archive and the trackers.
+generate``, the evaluation archive and the trackers; and the readers SFT takes its clips
+with (:func:`probe_video`, :func:`read_video`, :func:`read_wav`).
 
 Frames are uint8 numpy arrays, ``[H, W, 3]`` (or ``[H, W]`` grey) for one picture and
 ``[F, H, W, 3]`` for a video; callers convert tensors themselves, so this module needs
 only numpy and Pillow. PNG and animated GIF go through Pillow; MP4 (H.264) and WebM (VP9,
 which Chromium plays) through the ffmpeg that imageio-ffmpeg bundles (the ``video`` extra:
-``pip install -c constraints.txt -e '.[video]'``), imported only when a video is encoded.
+``pip install -c constraints.txt -e '.[video]'``), imported only when a video is encoded
+or read. WAV files are read with the standard library's ``wave`` module.
 """
 
 from __future__ import annotations
 
 import io
+import re
+import wave
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +140,118 @@ def write_webm(path: Path, frames: np.ndarray, fps: float | None = None, *, excl
     return _ffmpeg_video(path, frames, fps, "libvpx-vp9", WEBM_OPTIONS, exclusive)
 
 
+@dataclass(frozen=True)
+class VideoFrames:
+    """Frames read from a video file (:func:`read_video`)."""
+
+    frames: np.ndarray
+    """The picked frames, uint8 ``[F, H, W, 3]``."""
+    frames_read: int
+    """How many frames were decoded: the whole video when it ended before the last pick."""
+    fps: float
+    """The container's frame rate (0 when ffmpeg cannot tell)."""
+
+
+def read_video(path: Path, count: int, stride: int = 1) -> VideoFrames:
+    """Frames ``0, stride, 2·stride, ...`` of a video file, at most ``count`` of them,
+    decoded as RGB by the bundled ffmpeg; decoding stops at the last pick. A video that
+    ends first gives fewer frames (``frames_read`` then counts all of its frames)."""
+    if count < 1 or stride < 1:
+        raise ValueError(f"count and stride must be >= 1, got {count} and {stride}")
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
+    try:
+        meta = next(reader)
+        width, height = meta["size"]
+        picked: list[np.ndarray] = []
+        read = 0
+        for read, raw in enumerate(reader, start=1):
+            if (read - 1) % stride == 0:
+                picked.append(np.frombuffer(raw, dtype=np.uint8).reshape(height, width, 3))
+                if len(picked) == count:
+                    break
+    finally:
+        reader.close()
+    frames = np.stack(picked) if picked else np.zeros((0, height, width, 3), dtype=np.uint8)
+    return VideoFrames(frames=frames, frames_read=read, fps=float(meta.get("fps") or 0.0))
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What :func:`probe_video` finds without decoding."""
+
+    frames: int
+    """The video stream's frames (packets), counted up to the probe's limit."""
+    fps: float
+    """The container's frame rate (0 when ffmpeg cannot tell)."""
+
+
+_STREAM_RATE = re.compile(r"Stream #\d+:\d+.*?: Video: .*?(\d+(?:\.\d+)?)(k?) (fps|tbr)\b")
+_FRAME_COUNT = re.compile(r"frame=\s*(\d+)")
+
+
+def probe_video(path: Path, up_to: int) -> VideoInfo:
+    """The frame count of a video file's first video stream, counted up to ``up_to``, and
+    its frame rate, by the bundled ffmpeg copying packets to nowhere: the container is
+    demuxed but nothing is decoded, and ffmpeg stops at ``up_to``. A file ffmpeg cannot
+    open, or one without a video stream, raises ``RuntimeError`` with ffmpeg's last line."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-nostdin", "-i", str(path), "-map", "0:v:0"]
+    command += ["-c", "copy", "-frames:v", str(max(1, up_to)), "-f", "null", "-"]
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace", check=False)
+    lines = [line.strip() for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    counts = [int(m.group(1)) for line in lines if line.startswith("frame=") for m in [_FRAME_COUNT.match(line)] if m]
+    if done.returncode != 0 or not counts:
+        raise RuntimeError(lines[-1] if lines else f"ffmpeg exited with status {done.returncode}")
+    rate = next((m for m in map(_STREAM_RATE.search, lines) if m), None)
+    fps = float(rate.group(1)) * (1000 if rate.group(2) else 1) if rate else 0.0
+    return VideoInfo(frames=counts[-1], fps=fps)
+
+
+def read_wav_header(path: Path) -> tuple[int, int, int]:
+    """A WAV file's ``(channels, sample rate, samples per channel)`` from its header,
+    without reading the samples; ``wave.Error`` or ``EOFError`` when it is no PCM WAV."""
+    with wave.open(str(path), "rb") as reader:
+        return reader.getnchannels(), reader.getframerate(), reader.getnframes()
+
+
+def read_wav(path: Path, max_samples: int | None = None) -> tuple[np.ndarray, int]:
+    """A PCM WAV file as float32 ``[channels, samples]`` in [-1, 1] and its sample rate;
+    with ``max_samples``, only the first that many samples per channel are read.
+    8-bit samples are unsigned (offset 128), 16-, 24- and 32-bit ones signed little-endian;
+    ``wave`` refuses other encodings (IEEE float, compressed) with ``wave.Error``."""
+    with wave.open(str(path), "rb") as reader:
+        channels, width, rate = reader.getnchannels(), reader.getsampwidth(), reader.getframerate()
+        count = reader.getnframes() if max_samples is None else min(reader.getnframes(), max_samples)
+        data = reader.readframes(count)
+    if width == 1:
+        samples = (np.frombuffer(data, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width in (2, 4):
+        samples = np.frombuffer(data, dtype=f"<i{width}").astype(np.float32) / float(2 ** (8 * width - 1))
+    elif width == 3:
+        # Three little-endian bytes per sample: placed in the top of an int32, sign kept.
+        raw = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        samples = ((raw[:, 0] << 8 | raw[:, 1] << 16 | raw[:, 2] << 24) >> 8).astype(np.float32) / float(2**23)
+    else:
+        raise wave.Error(f"unsupported sample width: {width} bytes")
+    return np.ascontiguousarray(samples.reshape(-1, channels).T), rate
+
+
 __all__ = [
     "DEFAULT_FPS",
+    "VideoFrames",
+    "VideoInfo",
     "even_size",
     "gif_bytes",
     "png_bytes",
+    "probe_video",
+    "read_video",
+    "read_wav",
+    "read_wav_header",
     "rgb",
     "video_encoder",
     "write_gif",

@@ -184,7 +184,7 @@ TRAINING_DATA: dict[str, str] = {
     "and the samples' advantages (Flow-GRPO's policy_loss, custom_loss)",
     "nft_pairs": "a rollout's final samples with their advantages, re-noised on the forward process at sampled "
     "timesteps; the old policy is an EMA of the live one (DiffusionNFT)",
-    "supervised_rows": "data rows (prompt, image) of --prompt-data, noised on the forward process; no rollout, no reward (sft_loss)",
+    "supervised_rows": "data rows (prompt, image or video) of --prompt-data, noised on the forward process; no rollout, no reward (sft_loss)",
 }
 """The kinds of training data a loss can train on: kind -> what it is. The run loop, the
 trainer and the configuration rules dispatch on a loss's kind, never on its name; a new

@@ -238,6 +238,40 @@ def serve_engine_process(checkpoint: str | Path, *args: str, log_path: str | Pat
         served.stop()
 
 
+@contextmanager
+def serve_engine_in_thread(engine: Any, timeout: float = 30.0) -> Iterator[str]:
+    """Serve ``engine`` (an :class:`~miles_core.engine.embedded.EmbeddedEngine`) with
+    serve-engine's application from an event loop of its own in a background thread;
+    yield its base URL once ``GET /health`` answers 200, and always stop it. A run then
+    reaches the engine over HTTP (weight sync included) while the test holds the
+    engine's own objects."""
+    import asyncio
+    import threading
+
+    from miles_core.engine.http import HttpEngine
+    from miles_core.engine.server import create_app, start_server
+
+    async def healthy(url: str) -> None:
+        async with HttpEngine(url) as client:
+            await client.wait_until_healthy(timeout=timeout, interval=0.05)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="engine-server", daemon=True)
+    thread.start()
+    try:
+        server = asyncio.run_coroutine_threadsafe(start_server(create_app(engine)), loop).result(timeout)
+        try:
+            asyncio.run(healthy(server.url))
+            yield server.url
+        finally:
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if not thread.is_alive():  # a loop still running cannot be closed; the daemon thread ends with the process
+            loop.close()
+
+
 def assert_matched_by_content(tiny_dir: str | Path, family_name: str, workdir: str | Path) -> Path:
     """A copy of ``tiny_dir`` named ``workdir/my-finetune`` is matched to ``family_name``
     among every installed family by what it is (``model_index.json`` and the component

@@ -90,11 +90,14 @@ def test_family_from_name_patterns_and_override():
 @pytest.mark.exercises("--hf-checkpoint", "--diffusion-model-family")
 def test_unknown_or_unmatched_family_lists_installed():
     (message,) = errors_of("--hf-checkpoint", "acme/mystery", "--rollout-batch-size", "1")
-    assert "as a hub id no installed model family matches its name (installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2)" in message
+    assert (
+        "as a hub id no installed model family matches its name (installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_ti2v)"
+        in message
+    )
     assert "pass --diffusion-model-family" in message
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "hunyuan")
     assert message.startswith(
-        "--diffusion-model-family hunyuan: unknown model family; installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2"
+        "--diffusion-model-family hunyuan: unknown model family; installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_ti2v"
     )
 
 
@@ -356,7 +359,7 @@ def test_plugin_validation_hooks_run():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--ocr-num-workers", "0")
     assert message == "--ocr-num-workers 0: must be at least 1"
     (message,) = errors_of("--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B", "--rollout-batch-size", "1")
-    assert message.startswith("--diffusion-guidance-scale-2 is required for the Wan 2.2 family")
+    assert message.startswith("--diffusion-guidance-scale-2 is required when --update-weight-target-module trains transformer_2")
 
 
 def run_cli(*args):

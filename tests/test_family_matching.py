@@ -18,7 +18,7 @@ from miles_core.api import ModelFamilySpec
 from miles_core.config.model import Source
 from miles_core.config.resolve import resolve_config, training_errors
 from miles_core.errors import CheckpointError, ConfigError, FamilyMatchError
-from miles_core.family_match import checkpoint_problem, is_hub_id, match_family, names_matching
+from miles_core.family_match import checkpoint_problem, is_hub_id, match_family, most_specific, names_matching
 from miles_core.hookspecs import ENTRY_POINT_GROUP
 from miles_core.plugin_manager import PluginHost, get_host
 from tests.fake_dists import entry_points_in, make_dist
@@ -106,6 +106,10 @@ def test_content_wins_over_a_misleading_name(tiny, neutral: Path) -> None:
     assert match_family(directory, registry).name == "wan2_2"
 
 
+NOT_TI2V = "expand_timesteps is not set (Wan 2.1 or Wan 2.2 A14B; TI2V-5B gives every latent token its own timestep)"
+"""Why the wan2_2_ti2v family declines a Wan 2.1 layout (miles-wan22's checkpoint_check)."""
+
+
 def wan21_like(directory: Path) -> Path:
     """Turn a Wan 2.2 A14B copy into Wan 2.1's layout: one transformer, no expert switch
     (diffusers writes an absent optional component as [null, null])."""
@@ -123,8 +127,8 @@ def test_wan22_and_a_wan21_like_pipeline_are_told_apart(tiny, neutral: Path) -> 
         match_family(wan21, registry)
     assert str(caught.value) == (
         f"--hf-checkpoint {wan21}: its WanPipeline (model_index.json) is claimed by no installed model family "
-        "(considered wan2_2: model_index.json lists no transformer_2, which it trains); "
-        "pass --diffusion-model-family to choose one"
+        "(considered wan2_2: model_index.json lists no transformer_2, which it trains; "
+        f"wan2_2_ti2v: {NOT_TI2V}); pass --diffusion-model-family to choose one"
     )
     # The same through the configuration: one line, no fallback to the name patterns.
     assert errors_of("--hf-checkpoint", str(wan21), *REQUIRED) == [str(caught.value)]
@@ -196,6 +200,29 @@ def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
 )
 def test_the_hub_id_rule(value: str, hub: bool) -> None:
     assert is_hub_id(value) is hub
+
+
+def _named(name: str, *patterns: str) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, spec=SimpleNamespace(checkpoint_patterns=patterns))
+
+
+@pytest.mark.exercises("--hf-checkpoint")
+def test_the_more_specific_name_pattern_wins() -> None:
+    """A name that several families' patterns match goes to the family whose matching
+    pattern contains the others' (Wan 2.2 TI2V-5B's `wan2.2-ti2v` over A14B's `wan2.2`)."""
+    a14b, ti2v = _named("a14b", "wan2.2", "wan-2.2"), _named("ti2v", "wan2.2-ti2v", "ti2v-5b")
+    assert [r.name for r in most_specific("Wan-AI/Wan2.2-TI2V-5B-Diffusers", [a14b, ti2v])] == ["ti2v"]
+    assert [r.name for r in most_specific("Wan-AI/Wan2.2-T2V-A14B-Diffusers", [a14b])] == ["a14b"]
+    # Controls: patterns that do not contain one another leave both (an error for match_family),
+    # and so does a pattern of the other family that does not match this name.
+    acme = _named("acme", "acme-wan")
+    assert [r.name for r in most_specific("org/acme-wan2.2", [acme, a14b])] == ["acme", "a14b"]
+    assert [r.name for r in most_specific("org/wan2.2-x-ti2v-5b", [a14b, ti2v])] == ["a14b", "ti2v"]
+    registry = get_host().registries.model_family
+    assert match_family("Wan-AI/Wan2.2-TI2V-5B-Diffusers", registry).name == "wan2_2_ti2v"
+    assert match_family("Wan-AI/Wan2.2-T2V-A14B-Diffusers", registry).name == "wan2_2"
 
 
 def test_a_directory_without_model_index(tmp_path: Path) -> None:
@@ -318,7 +345,7 @@ def test_a_family_check_decides_with_its_reason(tiny, neutral: Path, host_with_a
     assert str(caught.value) == (
         f"--hf-checkpoint {wan21}: its WanPipeline (model_index.json) is claimed by no installed model family "
         "(considered acme_wan: not an Acme checkpoint (no acme.json); wan2_2: model_index.json lists no "
-        "transformer_2, which it trains); pass --diffusion-model-family to choose one"
+        f"transformer_2, which it trains; wan2_2_ti2v: {NOT_TI2V}); pass --diffusion-model-family to choose one"
     )
     (wan21 / "acme.json").write_text("{}", encoding="utf-8")  # the control: now the check agrees
     assert match_family(wan21, registry).name == "acme_wan"

@@ -16,7 +16,7 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.base import RolloutEngine
-from miles_core.errors import RequestError
+from miles_core.errors import ConfigError, RequestError
 from miles_core.request import RolloutOutput, RolloutRequest
 from miles_core.rollout.data import PromptRecord
 from miles_core.rollout.generate import RolloutSettings, generate_rollout, strategy_from_config
@@ -160,6 +160,14 @@ def test_rollout_flags_reach_the_engine_request():
     # True CFG, for the family that reads it.
     qwen = recorded_rollout(resolve_config([*QWEN, "--rollout-batch-size", "1", "--diffusion-true-cfg-scale", "5.0"]))
     assert {r.true_cfg_scale for r in qwen.requests} == {5.0}
+    # Wan 2.2 training only its high-noise expert, the second scale unset: diffusers' fallback
+    # (the first scale) is sent, not left to an engine's own default.
+    one = recorded_rollout(
+        resolve_config(
+            [*WAN22, "--rollout-batch-size", "1", "--update-weight-target-module", "transformer", "--diffusion-guidance-scale", "3.5"]
+        )
+    )
+    assert {r.extra_sampling_params["guidance_scale_2"] for r in one.requests} == {3.5}
 
 
 @pytest.mark.exercises("--diffusion-step-strategy-path", "--diffusion-sde-candidate-steps")
@@ -363,14 +371,27 @@ def test_update_weight_target_module_selects_the_trained_components(engine, tiny
 
     first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     two_experts = SimpleNamespace(components=lambda: {"transformer": first, "transformer_2": second})
-    both = resolve_config([*SD35, "--rollout-batch-size", "1", "--update-weight-target-module", "transformer,transformer_2"])
+    wan = [*WAN22, "--rollout-batch-size", "1", "--diffusion-guidance-scale-2", "3"]
+    both = resolve_config([*wan, "--update-weight-target-module", "transformer,transformer_2"])
     assert target_modules(both, two_experts) == {"transformer": first, "transformer_2": second}
-    low = resolve_config([*SD35, "--rollout-batch-size", "1", "--update-weight-target-module", "transformer_2"])
+    low = resolve_config([*wan, "--update-weight-target-module", "transformer_2"])
     assert target_modules(low, two_experts) == {"transformer_2": second}
     assert target_modules(resolve_config([*SD35, "--rollout-batch-size", "1"]), two_experts) == {"transformer": first}
-    # A component the family does not have is refused, naming what it trains.
+    # A module the family's checkpoint does not have is a configuration error, one line
+    # naming the flag, the value and the modules there are.
+    with pytest.raises(ConfigError) as refused:
+        resolve_config([*SD35, "--rollout-batch-size", "1", "--update-weight-target-module", "transformer,transformer_2"])
+    assert refused.value.messages == [
+        "--update-weight-target-module transformer,transformer_2: transformer_2 is not a trainable module of the sd3 "
+        "family's checkpoint (its trainable modules: transformer)"
+    ]
+    with pytest.raises(ConfigError) as refused:
+        resolve_config([*SD35, "--rollout-batch-size", "1", "--update-weight-target-module", ","])
+    assert refused.value.messages == ["--update-weight-target-module ',': names no module to train (the sd3 family's: transformer)"]
+    # The trainer refuses a component the family does not have too, naming what it trains
+    # (a --train-pipeline-config-path class is checked only there).
     with pytest.raises(ValueError) as caught:
-        target_modules(tiny_config(tiny_sd3, "--update-weight-target-module", "transformer,vae_decoder"), engine.family)
+        target_modules(SimpleNamespace(update_weight_target_module="transformer,vae_decoder"), engine.family)
     assert str(caught.value) == (
         "--update-weight-target-module transformer,vae_decoder: unknown component(s) vae_decoder; this family trains transformer"
     )

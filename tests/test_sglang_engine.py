@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,11 @@ def test_sglang_records_are_normalised_to_ours(tmp_path, monkeypatch):
     env = outputs[0].denoising_env
     assert env["image_kwargs"] == {"height": 48, "width": 32} and env["guidance"] == {"guidance_scale": 3.5}
     assert env["pos_cond_kwargs"]["pooled_projections"].shape == (32,)
+    # The family parameters the server sampled with (Wan 2.2's second scale) reach the
+    # trainer too; the flow shift is a parameter of its own.
+    extras = replace(request, extra_sampling_params={"guidance_scale_2": 2.5, "flow_shift": 5.0})
+    guidance = asyncio.run(engine.generate(extras))[0].denoising_env["guidance"]
+    assert guidance == {"guidance_scale": 3.5, "guidance_scale_2": 2.5}
     wrong = RolloutRequest(prompt="p", seed=5, num_inference_steps=4, num_outputs_per_prompt=2)
     with pytest.raises(SglangEngineError, match="returned 2 trajectory latents without step_indices; expected 5"):
         asyncio.run(engine.generate(wrong))

@@ -26,13 +26,12 @@ TILE = ("--micro-batch-size-sample", "2", "--micro-batch-size-tstep", "1")
 """One step of one microgroup per micro-batch: the engine's own batches."""
 
 
-def make_config(checkpoint, *extra: str) -> Any:
+def make_config(checkpoint, *extra: str, family: tuple[str, ...] = ("--diffusion-model-family", "sd3")) -> Any:
     return resolve_config(
         [
             "--hf-checkpoint",
             str(checkpoint),
-            "--diffusion-model-family",
-            "sd3",
+            *family,
             "--rollout-batch-size",
             "2",
             "--n-samples-per-prompt",
@@ -111,6 +110,12 @@ class _PipelineWith:
         return getattr(self._base, name)
 
 
+TWO_EXPERTS = {"family": ("--train-pipeline-config-path", f"{__name__}.TwoExpertSD3")}
+"""make_config's family for :class:`TwoExpertSD3`: a class of one's own names its own
+components, so ``--update-weight-target-module transformer,transformer_2`` resolves."""
+BOTH = ("--update-weight-target-module", "transformer,transformer_2")
+
+
 class TwoExpertSD3(SD3Family):
     """SD3 laid out like Wan 2.2: a second, different transformer denoises the timesteps
     below a boundary. Its predict refuses a batch that mixes the two experts."""
@@ -140,13 +145,13 @@ class TwoExpertSD3(SD3Family):
 
 @pytest.fixture(scope="module")
 def expert_rollout(tiny_sd3):
-    """The family, the alignment probe's trainer on it and a rollout. The trainer comes
-    first, as in a run: it sets which parameters require a gradient (``transformer``
-    trains, ``transformer_2`` is frozen), and that flag picks some of torch's kernels even
-    without autograd (a strided batch times a weight that requires a gradient is folded
-    into one GEMM, else run as a batched GEMM), so the engine must sample with it."""
+    """The family, the alignment probe's trainer on it (both experts) and a rollout. The
+    trainer comes first, as in a run: it sets which parameters require a gradient, and
+    that flag picks some of torch's kernels even without autograd (a strided batch times a
+    weight that requires a gradient is folded into one GEMM, else run as a batched GEMM),
+    so the engine must sample with it."""
     family = TwoExpertSD3.from_pretrained(tiny_sd3)
-    probe = make_trainer(family, make_config(tiny_sd3, *PROBE, *TILE))
+    probe = make_trainer(family, make_config(tiny_sd3, *PROBE, *TILE, *BOTH, **TWO_EXPERTS))
     return family, probe, *generate(family, tiny_sd3)
 
 
@@ -200,11 +205,16 @@ def test_two_experts_align_exactly_and_both_train(tiny_sd3, expert_rollout):
     metrics = probe.train_rollout(samples, advantages)
     assert metrics["train/log_prob_max_abs_diff"] == 0.0 and metrics["train/model_output_max_abs_diff"] == 0.0
     # Flat micro-batches of 3 consecutive pairs would span the boundary: they are cut there.
-    flat = make_trainer(family, make_config(tiny_sd3, *PROBE, "--micro-batch-size", "3"))
+    flat = make_trainer(family, make_config(tiny_sd3, *PROBE, "--micro-batch-size", "3", *BOTH, **TWO_EXPERTS))
     assert flat.train_rollout(samples, advantages)["train/num_pairs"] == 24
     batches = micro_batches(flat.last_pairs, flat.config)
     assert all(len({p.denoiser for p in b}) == 1 for b in batches)
     assert {p.denoiser for p in flat.last_pairs} == {"transformer", "transformer_2"}
+    # One expert trained (sd3's default target): the other's steps are left out and counted.
+    one = make_trainer(family, make_config(tiny_sd3, *PROBE, *TILE))
+    metrics = one.train_rollout(samples, advantages)
+    assert (metrics["train/num_pairs"], metrics["train/num_pairs_frozen"]) == (16, 8)
+    assert {p.denoiser for p in one.last_pairs} == {"transformer"} and metrics["train/log_prob_max_abs_diff"] == 0.0
 
     # Training LoRA on both experts (a fresh family: the probe's shares the engine's modules).
     fresh = TwoExpertSD3.from_pretrained(tiny_sd3)
@@ -222,8 +232,8 @@ def test_two_experts_align_exactly_and_both_train(tiny_sd3, expert_rollout):
             "--use-ema",
             "--ema-rollout-policy",
             "ema",
-            "--update-weight-target-module",
-            "transformer,transformer_2",
+            *BOTH,
+            **TWO_EXPERTS,
         ),
     )
     before = {k: v.detach().clone() for k, v in trainer.named_trainable().items()}

@@ -80,7 +80,7 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core generate"
         type=float,
         default=None,
         metavar="G",
-        help="guidance scale of Wan 2.2's low-noise expert (required there when guidance is on)",
+        help="guidance scale of Wan 2.2's low-noise expert (default: --guidance-scale, as diffusers' WanPipeline)",
     )
     parser.add_argument(
         "--true-cfg-scale", type=float, default=None, metavar="G", help="true-CFG scale of the families that have it (Qwen-Image)"

@@ -128,6 +128,10 @@ _LOSS_ONLY: dict[str, tuple[str, ...]] = {
     "no_diffusion_nft_shuffle_timesteps": ("nft",),
 }
 
+# Flags read by the supervised-row data side (a loss whose kind is ``supervised_rows``,
+# whatever its name), so keyed on the loss's kind.
+_SUPERVISED_ONLY = ("sft_image_key", "sft_video_key", "sft_audio_key", "sft_frame_stride")
+
 
 _EVAL_SETTINGS = ("eval_prompt_data", "eval_input_key", "n_samples_per_eval_prompt", "diffusion_eval_num_steps", "skip_eval_before_train")
 
@@ -152,14 +156,22 @@ def conflicting_flags(config: Config) -> list[str]:
     return errors
 
 
-def inert_notes(config: Config) -> list[str]:
-    """Flags the user set that the chosen loss, reference or engine does not read."""
+def inert_notes(config: Config, trains_on: str | None = None) -> list[str]:
+    """Flags the user set that the chosen loss, reference or engine does not read;
+    ``trains_on``: the loss's kind of data (:data:`~miles_core.specs.TRAINING_DATA`)."""
     loss = config.get("loss_type")
+    supervised = trains_on == "supervised_rows"
     notes = []
     if loss != "custom_loss":
         for dest, losses in _LOSS_ONLY.items():
             if loss not in losses and _set_away_from_default(config, dest):
                 notes.append(f"{_shown(config, dest)} has no effect with --loss-type {loss} (read by {' and '.join(losses)} only)")
+        for dest in _SUPERVISED_ONLY if trains_on is not None and not supervised else ():
+            if _set_away_from_default(config, dest):
+                notes.append(
+                    f"{_shown(config, dest)} has no effect with --loss-type {loss} (read only by losses that train on "
+                    "supervised rows, e.g. sft_loss)"
+                )
     if config.get("ref_mode") is not None and config.is_user_set("ref_mode") and loss != "nft" and not config.get("diffusion_kl_beta"):
         notes.append(
             f"--ref-mode {config.get('ref_mode')} has no effect: with --diffusion-kl-beta 0 no KL term compares against the reference"
@@ -170,7 +182,7 @@ def inert_notes(config: Config) -> list[str]:
                 f"{_shown(config, 'diffusion_train_iter_order')} has no effect without the 2-D tile "
                 "(--micro-batch-size-sample and --micro-batch-size-tstep)"
             )
-        elif loss in ("nft", "sft_loss"):
+        elif trains_on in ("nft_pairs", "supervised_rows"):
             notes.append(
                 f"{_shown(config, 'diffusion_train_iter_order')} has no effect with --loss-type {loss}: its micro-batches are flat"
             )
@@ -183,12 +195,14 @@ def inert_notes(config: Config) -> list[str]:
             )
     if "--fsdp-cpu-backend" in _placed_by_ray(config):  # elsewhere its hardware note says it already
         notes.extend(fsdp_offload_notes(config))
-    if config.get("diffusion_debug_mode") and loss in ("nft", "sft_loss"):
+    if config.get("diffusion_debug_mode") and trains_on in ("nft_pairs", "supervised_rows"):
         notes.append(
             f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
             "policy loss's recomputed log-probs with the engine's"
         )
-    if loss == "sft_loss":
+    if supervised and config.get("diffusion_output_num_frames") == 1 and _set_away_from_default(config, "sft_frame_stride"):
+        notes.append(f"{_shown(config, 'sft_frame_stride')} has no effect with --diffusion-output-num-frames 1 (a clip of frame 0)")
+    if supervised:
         dumps = [
             config.flag(d).name
             for d in ("save_debug_rollout_data", "save_debug_train_data", "dump_details")
@@ -196,7 +210,7 @@ def inert_notes(config: Config) -> list[str]:
         ]
         if dumps:
             notes.append(
-                f"{', '.join(dumps)}: --loss-type sft_loss has no rollouts to dump, so "
+                f"{', '.join(dumps)}: --loss-type {loss} has no rollouts to dump, so "
                 f"{'they have' if len(dumps) > 1 else 'it has'} no effect"
             )
     elif config.get("debug_rollout_only") and config.is_user_set("save_debug_train_data"):

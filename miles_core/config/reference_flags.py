@@ -354,8 +354,23 @@ _TABLE: tuple[Flag, ...] = (
         differs="The best microgroup size depends on the model; unset takes the model family's recipe microgroup size, capped at --n-samples-per-prompt.",
         range="[1, inf)",
     ),
-    _f("rollout", "--diffusion-fps", "float", None, "Output frame rate; video only.", range="(0, inf)"),
-    _f("rollout", "--diffusion-output-num-frames", "int", 1, "Output frames per sample; 1 for images.", range="[1, inf)"),
+    _f(
+        "rollout",
+        "--diffusion-fps",
+        "float",
+        None,
+        "Output frame rate; video only. Under SFT, the clip's frame rate (what ltx and cosmos3 condition on; ltx reads "
+        "num_frames / fps seconds of audio).",
+        range="(0, inf)",
+    ),
+    _f(
+        "rollout",
+        "--diffusion-output-num-frames",
+        "int",
+        1,
+        "Output frames per sample; 1 for images. Under SFT, the frames of each clip (every --sft-frame-stride-th of the video).",
+        range="[1, inf)",
+    ),
     _f("rollout", "--diffusion-guidance-scale", "float", 4.0, "Classifier-free guidance scale.", range="[0, inf)"),
     _f(
         "rollout",
@@ -717,16 +732,45 @@ _TABLE: tuple[Flag, ...] = (
     ),
     _f("data", "--start-rollout-id", "int", None, "First rollout id; resumed from --load when unset.", range="[0, inf)"),
     _f("data", "--sft-encoder-checkpoint", "str", None, "SFT only: source of the tokenizer, text encoder and VAE."),
-    _f("data", "--sft-frame-stride", "int", 1, "SFT only: temporal stride when encoding video frames.", range="[1, inf)"),
+    _f(
+        "data",
+        "--sft-frame-stride",
+        "int",
+        1,
+        "SFT only: temporal stride when reading a video row: frames 0, k, 2k, ... (--diffusion-output-num-frames of them).",
+        range="[1, inf)",
+    ),
     _f(
         "data",
         "--sft-image-key",
         "str",
         "image",
-        "SFT only: key of each --prompt-data row holding the image (or video) path, relative to the JSONL file's folder.",
+        "SFT only: key of each --prompt-data row holding an image path, relative to the JSONL file's folder.",
         metavar="KEY",
         reference_default="(no such flag)",
         differs="The reference reads SFT data through its own data source; here SFT rows are plain JSONL next to their images.",
+    ),
+    _f(
+        "data",
+        "--sft-video-key",
+        "str",
+        "video",
+        "SFT only: key of each --prompt-data row holding a video path (a row gives an image or a video), relative to the "
+        "JSONL file's folder.",
+        metavar="KEY",
+        reference_default="(no such flag)",
+        differs="The reference reads SFT data through its own data source; here SFT rows are plain JSONL next to their videos.",
+    ),
+    _f(
+        "data",
+        "--sft-audio-key",
+        "str",
+        "audio",
+        "SFT only: key of each --prompt-data row holding a WAV file path, for a family that denoises audio with its video "
+        "(ltx); relative to the JSONL file's folder.",
+        metavar="KEY",
+        reference_default="(no such flag)",
+        differs="The reference reads SFT data through its own data source; here SFT rows are plain JSONL next to their files.",
     ),
     # ------------------------------------------------------------------ evaluation
     _f("evaluation", "--eval-interval", "int", None, "Evaluate every N rollouts; requires configured eval datasets.", range="[1, inf)"),
@@ -1342,8 +1386,6 @@ machine), setting one is logged as a note; ``docs/cli.md`` lists them."""
 UNAVAILABLE: dict[str, str] = {
     "--rollout-patch-group": "numeric-parity patch groups patch sglang-diffusion's own code, which miles-core does not "
     "modify; --rollout-engine sglang serves the stock server",
-    "--sft-frame-stride": "SFT rows are images (one per row) in this version, with no frames to stride over; video SFT rows "
-    "are not supported yet",
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
     "use --use-wandb (offline mode works without a network) and metrics.jsonl",
     "--miles-dashboard-workspace": "the miles dashboard is a separate product that miles-core does not ship",

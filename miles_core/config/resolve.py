@@ -122,7 +122,7 @@ class _Resolver:
             raise ConfigError(self.errors)
         self.mirror_aliases()
         self.config.freeze()
-        self.config.notes.extend(hardware_notes(self.config) + inert_notes(self.config))
+        self.config.notes.extend(hardware_notes(self.config) + inert_notes(self.config, self.trains_on()))
         plugin_errors = self.host.validate(self.config)
         if plugin_errors:
             raise ConfigError(plugin_errors)
@@ -301,6 +301,8 @@ class _Resolver:
             # The family's trainable components (Wan 2.2: both experts), unless the user
             # names the modules to train.
             c.set("update_weight_target_module", ",".join(spec.trainable_components), Source.FAMILY)
+        elif not self.v("train_pipeline_config_path"):  # a class of one's own declares its own components
+            self.check_update_targets(spec)
         if self.v("diffusion_height") is None or self.v("diffusion_width") is None:
             checkpoint = self.v("hf_checkpoint")
             if checkpoint and Path(checkpoint).is_dir():
@@ -314,6 +316,22 @@ class _Resolver:
                     for dest, value in zip(("diffusion_height", "diffusion_width"), size):
                         if self.v(dest) is None:
                             c.set(dest, int(value), Source.FAMILY)
+
+    def check_update_targets(self, spec: Any) -> None:
+        """``--update-weight-target-module`` names modules the family trains (its spec's
+        ``trainable_components``, which a matched checkpoint holds), at least one."""
+        value = self.v("update_weight_target_module")
+        names = [name.strip() for name in str(value).split(",") if name.strip()]
+        unknown = [name for name in names if name not in spec.trainable_components]
+        modules = ", ".join(spec.trainable_components)
+        if not names:
+            self.fail(f"--update-weight-target-module {value!r}: names no module to train (the {spec.name} family's: {modules})")
+        elif unknown:
+            self.fail(
+                f"--update-weight-target-module {value}: {', '.join(unknown)} "
+                f"{'is not a trainable module' if len(unknown) == 1 else 'are not trainable modules'} of the {spec.name} "
+                f"family's checkpoint (its trainable modules: {modules})"
+            )
 
     # -- batch knobs -----------------------------------------------------------------
 
@@ -736,6 +754,14 @@ class _Resolver:
             )
         if v("sft_encoder_checkpoint") and not sft:
             self.fail("--sft-encoder-checkpoint requires --loss-type sft_loss (rollouts encode with --hf-checkpoint's encoders)")
+        if sft:
+            keys = {dest: v(dest) for dest in ("input_key", "sft_image_key", "sft_video_key", "sft_audio_key")}
+            for value in sorted({k for k in keys.values() if list(keys.values()).count(k) > 1}):
+                same = [self.name(dest) for dest, key in keys.items() if key == value]
+                which = "both" if len(same) == 2 else "all"
+                self.fail(
+                    f"{', '.join(same)}: an SFT row keeps its prompt, image, video and audio under different keys ({which} are {value!r})"
+                )
         if v("override_lr_scheduler") and v("use_checkpoint_lr_scheduler") and self.config.source("use_checkpoint_lr_scheduler").user_set:
             self.fail(
                 "--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive "
@@ -866,6 +892,17 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
     if loss == "nft" and config.diffusion_kl_beta > 0:
         errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
     family = registry_spec(host, "model_family", config.model_family)
+    if family is not None and config.data_parallel_size > 1 and not config.train_pipeline_config_path:
+        trained = {name.strip() for name in str(config.update_weight_target_module).split(",") if name.strip()}
+        frozen = [name for name in family.trainable_components if name not in trained]
+        if frozen and trained:
+            errors.append(
+                f"--update-weight-target-module {config.update_weight_target_module}: training part of the {family.name} "
+                f"family's denoisers ({', '.join(frozen)} frozen) runs on one data-parallel rank in this version, and the "
+                f"data-parallel size is {config.data_parallel_size} (the ranks' shares would hold different numbers of "
+                "trainable steps, so their micro-batch plans would differ); train every denoiser, or use one data-parallel "
+                "rank (sequence parallelism is fine)"
+            )
     if family is not None and not family.supports_cfg_training and loss != "sft_loss" and config.diffusion_guidance_scale > 1:
         errors.append(
             f"--diffusion-guidance-scale {config.diffusion_guidance_scale}: the {family.name} family does not train "

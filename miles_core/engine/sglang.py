@@ -53,7 +53,7 @@ import torch
 from miles_core.engine.health import FaultTolerance
 from miles_core.engine.http import HttpEngine
 from miles_core.errors import SglangEngineError
-from miles_core.request import RolloutOutput, RolloutRequest
+from miles_core.request import FLOW_SHIFT, RolloutOutput, RolloutRequest
 from miles_core.weights import named_tensors_checksum
 
 SERVE_MODULE = "sglang.multimodal_gen.runtime.entrypoints.cli.main"
@@ -638,8 +638,9 @@ def timestep_grid(returned: torch.Tensor, sigmas: torch.Tensor, steps: Sequence[
 
 def _normalize_env(env: dict[str, Any] | None, request: RolloutRequest) -> None:
     """sglang-diffusion's ``denoising_env`` as ours: it sends ``image_kwargs`` and
-    ``guidance`` as null (filled from the request) and the conditioning with a leading
-    batch dimension of 1 (dropped: ours is per output)."""
+    ``guidance`` as null (filled from the request, its family parameters such as Wan
+    2.2's ``guidance_scale_2`` included, as our engine records them) and the conditioning
+    with a leading batch dimension of 1 (dropped: ours is per output)."""
     if not env:
         return
     if env.get("image_kwargs") is None:
@@ -651,6 +652,7 @@ def _normalize_env(env: dict[str, Any] | None, request: RolloutRequest) -> None:
         guidance: dict[str, Any] = {"guidance_scale": request.guidance_scale}
         if request.true_cfg_scale is not None:
             guidance["true_cfg_scale"] = request.true_cfg_scale
+        guidance.update((k, v) for k, v in request.extra_sampling_params.items() if k != FLOW_SHIFT)  # (a field of its own)
         env["guidance"] = guidance
     for key in ("pos_cond_kwargs", "neg_cond_kwargs"):
         cond = env.get(key)

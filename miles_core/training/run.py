@@ -132,7 +132,15 @@ async def prepare_run(
     if supervised:
         from miles_core.training.sft import load_sft_rows
 
-        records = load_sft_rows(config.prompt_data, input_key=config.input_key, image_key=config.sft_image_key)
+        records = load_sft_rows(
+            config.prompt_data,
+            input_key=config.input_key,
+            image_key=config.sft_image_key,
+            video_key=config.sft_video_key,
+            audio_key=config.sft_audio_key,
+            num_frames=config.diffusion_output_num_frames,
+            frame_stride=config.sft_frame_stride,
+        )
     elif config.prompt_data and not config.disable_rollout_global_dataset:
         from miles_core.rollout.data import load_prompts
 
@@ -170,6 +178,15 @@ async def prepare_run(
             # weight syncs; with no engine (SFT, a replay) the trainer loads the family itself.
             family = engine.family if isinstance(engine, EmbeddedEngine) else load_family(config)
             trainer = build_trainer(config, family, spec)
+        if supervised:
+            from miles_core.model_loading import family_class
+            from miles_core.training.sft import check_sft_run
+
+            # A frame count the VAE cannot encode, or rows without the audio the family
+            # denoises (or with too little of it), stop the run here, on the driver, before
+            # any rank trains (the driver of Ray ranks holds no family).
+            on_ranks = cluster is not None and not config.model_backend_path
+            check_sft_run(trainer, config, records, family_class(config) if on_ranks else None)
         resumed = restore_run_state(config, trainer, data_source)
         start = config.start_rollout_id if config.start_rollout_id is not None else (resumed or 0)
         out = output_directory(config, start if resumed is not None else None, log)

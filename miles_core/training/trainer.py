@@ -24,6 +24,7 @@ must call.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import defaultdict
@@ -49,6 +50,8 @@ from miles_core.training.pairs import (
     params_from_env,
 )
 from miles_core.training.train_hooks import batch_preparer, pair_source
+
+log = logging.getLogger("miles_core.training")
 
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
@@ -100,6 +103,10 @@ class Trainer:
         self.backend = backend_cls(noise_level=config.diffusion_noise_level, log_prob_no_const=config.diffusion_log_prob_no_const)
         self.loss_fn = loss_fn
         self.modules = target_modules(config, family)
+        self.frozen_components = [name for name in family.components() if name not in self.modules]
+        """The family's denoisers this run does not train (Wan 2.2 training one expert):
+        they keep sampling their steps in the engine, and the steps they denoise are left
+        out of training (``train/num_pairs_frozen``)."""
         for module in family.components().values():
             module.requires_grad_(False)
         if config.use_lora:
@@ -375,12 +382,11 @@ class Trainer:
     def train_sft(self, rows: Sequence[Any], params: Any, lr_at: Any = None) -> dict[str, Any]:
         """``num_steps_per_rollout`` optimizer steps of ``global_batch_size`` rows each
         on the flow-matching loss (see :mod:`miles_core.training.sft`)."""
-        from miles_core.training.sft import sft_batch
+        from miles_core.training.sft import sft_batch, sft_stream_loss
 
         config = self.config
         gbs = config.global_batch_size
         per_step: dict[str, list[float]] = defaultdict(list)
-        primary = self.family.latent_streams[0]
         self._progress_start(config.num_steps_per_rollout)
         for step in range(config.num_steps_per_rollout):
             step_rows = rows[step * gbs : (step + 1) * gbs]
@@ -398,9 +404,10 @@ class Trainer:
             sums: dict[str, float] = defaultdict(float)
             for start in range(0, len(window), size):
                 chunk = window[start : start + size]
-                data = sft_batch(self.family, chunk, params, generator, self.prompt_cache)
+                data = sft_batch(self.family, chunk, params, generator, self.prompt_cache, frame_stride=config.sft_frame_stride)
                 velocity = self.family.predict(data["x_t"], data["timestep"], data["cond"], params)
-                loss, metrics = self.loss_fn({"v": velocity[primary], "noise": data["noise"][primary], "x0": data["x0"][primary]}, config)
+                # Every latent stream the family encodes (LTX-2: video and audio), summed.
+                loss, metrics = sft_stream_loss(self.loss_fn, velocity, data, config)
                 # A share of the whole step's rows (of this rank's when nothing is sharded).
                 weight = len(chunk) / (len(step_rows) if self.mesh is not None else len(window))
                 self._add_micro_batch(sums, loss, metrics, weight)
@@ -421,6 +428,8 @@ class Trainer:
         self.last_pairs = []
         step_windows = self._step_windows(len(samples))
         self._progress_start(len(step_windows))
+        frozen: list[tuple[str, int]] = []
+        trained_items = 0
         for step, step_window in enumerate(step_windows):
             window = self._rank_share(step_window)
             if lr_at is not None:
@@ -431,6 +440,7 @@ class Trainer:
             # The whole step's draws on every rank (its own share trained): each item gets
             # the timestep and noise it gets at world size 1.
             items = []
+            frozen_before = len(frozen)
             for index in step_window:
                 if samples[index].remove_sample:
                     continue  # removed by a per-sample filter: counted for advantages only
@@ -442,8 +452,19 @@ class Trainer:
                     :count
                 ]
                 final = {name: trajectory[name][-1] for name in self.family.latent_streams}
+                params = params_from_env(output.denoising_env, steps) if self.frozen_components else None
                 for k in order.tolist():
+                    if params is not None:
+                        denoiser = self.family.denoiser_for(trajectory["timesteps"][k], params)
+                        if denoiser not in self.modules:
+                            frozen.append((denoiser, k))  # a frozen expert's step: nothing to train
+                            continue
                     items.append((index, k, final, trajectory, output.denoising_env))
+            if not items and len(frozen) > frozen_before:
+                # Every drawn step of this optimizer step is a frozen expert's: no step taken.
+                self._progress_tick()
+                continue
+            trained_items += len(items)
             mine = set(window)
             mine_count = sum(1 for item in items if item[0] in mine)
             sums: dict[str, float] = defaultdict(float)
@@ -478,7 +499,16 @@ class Trainer:
                 weight = len(chunk) / (len(items) if self.mesh is not None else mine_count)
                 self._add_micro_batch(sums, loss, metrics, weight)
             self._end_step(sums, per_step)
-        return _per_step_summary(per_step)
+        if frozen and not trained_items:
+            log.warning(
+                self._nothing_trainable(
+                    frozen, "the steps --loss-type nft drew reached", "draw more steps per sample (--diffusion-nft-timestep-fraction)"
+                )
+            )
+        result = _per_step_summary(per_step)
+        if self.frozen_components:
+            result["train/num_pairs_frozen"] = len(frozen)
+        return result
 
     # -- one rollout -----------------------------------------------------------------
 
@@ -491,10 +521,31 @@ class Trainer:
         if self.loss_spec.trains_on == "nft_pairs":
             return self.train_nft(samples, advantages, lr_at)
         pairs = self.pairs_from(config, samples, advantages)
+        # A frozen expert's steps (Wan 2.2 training one expert) are not trained: left out
+        # here, from the whole rollout, so every rank leaves out the same ones.
+        frozen = [p for p in pairs if p.denoiser is not None and p.denoiser not in self.modules]
+        if frozen:
+            pairs = [p for p in pairs if p.denoiser is None or p.denoiser in self.modules]
+            if not pairs:
+                # A window drawn per request can fall on the frozen expert's steps alone in
+                # one rollout and reach the trained one in the next: not an error, a rollout
+                # without an optimizer step (train/num_pairs 0), said in the log.
+                log.warning(
+                    self._nothing_trainable(
+                        [(p.denoiser, p.step) for p in frozen],
+                        "the SDE window reached",
+                        f"if every rollout says so, move the SDE window onto the steps of {', '.join(self.modules)} "
+                        "(--diffusion-sde-window-range)",
+                    )
+                )
+        trained_samples = {p.sample_index for p in pairs}
+        frozen_samples = {p.sample_index for p in frozen}
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
         windows = []
         for step_window in self._step_windows(len(samples)):
+            if any(i in frozen_samples for i in step_window) and not any(i in trained_samples for i in step_window):
+                continue  # only a frozen expert's steps in these samples: no optimizer step
             mine = set(self._rank_share(step_window))
             windows.append([p for p in pairs if p.sample_index in mine])
         pairs = [p for window in windows for p in window]
@@ -520,12 +571,26 @@ class Trainer:
                 parts = [ranks[k] for ranks in gathered if k in ranks]
                 result[f"train/log_prob_abs_diff_step_{k}"] = math.fsum(s for s, _ in parts) / sum(n for _, n in parts)
             result["train/num_pairs"] = sum(count for count, _ in totals)
-            return result
-        if drift_by_step:
-            for k, values in sorted(drift_by_step.items()):
-                result[f"train/log_prob_abs_diff_step_{k}"] = sum(values) / len(values)
-        result["train/num_pairs"] = len(pairs)
+        else:
+            if drift_by_step:
+                for k, values in sorted(drift_by_step.items()):
+                    result[f"train/log_prob_abs_diff_step_{k}"] = sum(values) / len(values)
+            result["train/num_pairs"] = len(pairs)
+        if self.frozen_components:
+            result["train/num_pairs_frozen"] = len(frozen)  # the whole rollout's (every rank sees it)
         return result
+
+    def _nothing_trainable(self, frozen: Sequence[tuple[str, int]], reached: str, fix: str) -> str:
+        """The one line of a rollout whose every step is a frozen denoiser's: which
+        denoisers and steps it reached, and the two ways out (``fix``, or training them)."""
+        denoisers = sorted({name for name, _ in frozen})
+        steps = ", ".join(str(k) for k in sorted({k for _, k in frozen}))
+        return (
+            f"--update-weight-target-module {self.config.update_weight_target_module}: no optimizer step in this rollout, "
+            f"no step of it is denoised by a trained component: {reached} only {', '.join(denoisers)} (step(s) {steps}), which "
+            f"{'stays' if len(denoisers) == 1 else 'stay'} frozen; {fix}, or train {' and '.join(denoisers)} too "
+            f"(--update-weight-target-module {','.join([*self.modules, *denoisers])})"
+        )
 
     def _policy_totals(self, windows: list[list[TrainPair]]) -> list[tuple[int, int]] | None:
         """Under FSDP2 (collective): exchange the ranks' micro-batch plans (stop on a

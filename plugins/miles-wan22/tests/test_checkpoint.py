@@ -39,17 +39,27 @@ def test_the_tiny_a14b_pipeline_is_claimed(copy: Path) -> None:
     testing.assert_import_is_light("miles_wan22.checkpoint")
 
 
+NOT_TI2V = "expand_timesteps is not set (Wan 2.1 or Wan 2.2 A14B; TI2V-5B gives every latent token its own timestep)"
+TWO_EXPERTS = "it lists transformer_2 or a boundary_ratio (a two-expert pipeline; TI2V-5B has one transformer)"
+"""The wan2_2_ti2v family's reasons (its own check) for declining these directories."""
+
+
 @pytest.mark.parametrize(
-    "index_changes, expert_changes, reason",
+    "index_changes, expert_changes, reason, ti2v_reason",
     [
-        ({"boundary_ratio": None}, {}, "boundary_ratio None (a two-expert Wan 2.2 pipeline switches experts at a ratio in (0, 1))"),
-        ({"boundary_ratio": 1.5}, {}, "boundary_ratio 1.5 (a two-expert Wan 2.2 pipeline switches experts at a ratio in (0, 1))"),
-        ({"expand_timesteps": True}, {}, "expand_timesteps is set (Wan 2.2 TI2V-5B, a single-expert pipeline)"),
-        ({}, {"in_channels": 48}, "the experts' in_channels differ (transformer: [16], transformer_2: [48])"),
+        (
+            {"boundary_ratio": None},
+            {},
+            "boundary_ratio None (a two-expert Wan 2.2 pipeline switches experts at a ratio in (0, 1))",
+            NOT_TI2V,
+        ),
+        ({"boundary_ratio": 1.5}, {}, "boundary_ratio 1.5 (a two-expert Wan 2.2 pipeline switches experts at a ratio in (0, 1))", NOT_TI2V),
+        ({"expand_timesteps": True}, {}, "expand_timesteps is set (Wan 2.2 TI2V-5B, a single-expert pipeline)", TWO_EXPERTS),
+        ({}, {"in_channels": 48}, "the experts' in_channels differ (transformer: [16], transformer_2: [48])", NOT_TI2V),
     ],
 )
 def test_other_wan_pipelines_are_refused_with_the_reason(
-    copy: Path, index_changes: dict[str, Any], expert_changes: dict[str, Any], reason: str
+    copy: Path, index_changes: dict[str, Any], expert_changes: dict[str, Any], reason: str, ti2v_reason: str
 ) -> None:
     edit_json(copy / "model_index.json", **index_changes)
     edit_json(copy / "transformer_2" / "config.json", **expert_changes)
@@ -58,7 +68,7 @@ def test_other_wan_pipelines_are_refused_with_the_reason(
         match_family(copy, get_host().registries.model_family)
     assert str(caught.value) == (
         f"--hf-checkpoint {copy}: its WanPipeline (model_index.json) is claimed by no installed model family "
-        f"(considered wan2_2: {reason}); pass --diffusion-model-family to choose one"
+        f"(considered wan2_2: {reason}; wan2_2_ti2v: {ti2v_reason}); pass --diffusion-model-family to choose one"
     )
 
 

@@ -161,6 +161,31 @@ def test_guidance_scale_2_drives_the_low_noise_expert(euler_pipe: WanPipeline) -
     assert (ours - _family_euler(family, params, x)).abs().max().item() > 1e-4  # control: the scale mattered
 
 
+def test_an_unset_guidance_scale_2_is_the_pipelines_fallback(euler_pipe: WanPipeline) -> None:
+    # WanPipeline.__call__ with guidance_scale_2=None samples the low-noise expert with
+    # guidance_scale; a request without it must give that video.
+    family = Wan22Family(euler_pipe)
+    unset = _params(family, extra_sampling_params={})
+    x = family.initial_latents(unset, _generators(7, 1))["latents"]
+    ours = _family_euler(family, unset, x)
+    theirs = euler_pipe(
+        PROMPT,
+        negative_prompt=NEGATIVE,
+        latents=x,
+        height=SIZE,
+        width=SIZE,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        output_type="pt",
+    ).frames.permute(0, 2, 1, 3, 4)
+    assert (ours - theirs).abs().max().item() <= 1e-5  # the Euler comparison's tolerance
+    # By construction the same computation as giving guidance_scale as the second scale ...
+    assert torch.equal(ours, _family_euler(family, _params(family, extra_sampling_params={"guidance_scale_2": GUIDANCE}), x))
+    # ... and not GUIDANCE_2's (control).
+    assert (ours - _family_euler(family, _params(family), x)).abs().max().item() > 1e-4
+
+
 def test_the_checkpoints_unipc_scheduler_over_the_family_equals_the_pipeline(family: Wan22Family, pipe) -> None:
     """With the scheduler the checkpoint ships (UniPC, integer timesteps), predict is the
     pipeline's transformer calls and CFG exactly."""
@@ -309,8 +334,9 @@ def test_resolve_params_defaults_and_errors(family: Wan22Family, tiny_dir) -> No
     )
     assert params.flow_shift is None and params.true_cfg_scale is None
     assert family.resolve_params(_request(num_frames=1)).num_frames == 1  # one frame: an image
-    # Without CFG the low-noise expert's scale has no effect and is not needed.
-    assert dict(_params(family, 1.0).extra) == {}
+    # Unset, the low-noise expert's scale is guidance_scale (WanPipeline.__call__'s fallback).
+    assert dict(_params(family, 1.0).extra) == {"guidance_scale_2": 1.0}
+    assert dict(_params(family, extra_sampling_params={}).extra) == {"guidance_scale_2": GUIDANCE}
 
     base = _request()
     extra = {"guidance_scale_2": 3.0}
@@ -326,11 +352,6 @@ def test_resolve_params_defaults_and_errors(family: Wan22Family, tiny_dir) -> No
             "extra_sampling_params",
             replace(base, extra_sampling_params={**extra, "true_cfg": 1}),
             "extra_sampling_params: Wan 2.2 takes only flow_shift, guidance_scale_2, max_sequence_length, got true_cfg",
-        ),
-        (
-            "extra_sampling_params",
-            replace(base, extra_sampling_params={}),
-            "extra_sampling_params: guidance_scale_2 is required for Wan 2.2 when CFG is on",
         ),
         (
             "extra_sampling_params",

@@ -29,7 +29,7 @@ def _spec(host: PluginHost) -> ModelFamilySpec:
 def test_entry_point_registers_the_family_class(host: PluginHost) -> None:
     assert host.record("wan22").entry_point == "miles_wan22.plugin"
     assert host.pm.get_plugin("wan22") is plugin
-    assert host.record("wan22").registers == {"model_family": ["wan2_2"]}
+    assert host.record("wan22").registers == {"model_family": ["wan2_2", "wan2_2_ti2v"]}
     assert host.registries.model_family.get("wan2_2").load() is Wan22Family
     assert issubclass(Wan22Family, ModelFamily)
     assert Wan22Family.pipeline_class == "diffusers:WanPipeline"
@@ -58,34 +58,43 @@ def test_checkpoint_patterns_match_real_names(host: PluginHost) -> None:
     assert not any(p in "wan-ai/wan2.1-t2v-1.3b-diffusers" for p in patterns)
 
 
-def test_validation_requires_guidance_scale_2(host: PluginHost) -> None:
-    bad = types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=None)
-    assert host.validate(bad) == [
-        "--diffusion-guidance-scale-2 is required for the Wan 2.2 family: the low-noise expert "
-        "(transformer_2) has its own guidance scale and there is no fallback"
-    ]
-    good = types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=3.0)
-    assert host.validate(good) == []
-    # Zero is a real value, not "unset".
-    zero = types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=0.0)
-    assert host.validate(zero) == []
+def test_validation_requires_guidance_scale_2_when_the_low_noise_expert_trains(host: PluginHost) -> None:
+    def config(targets: str | None, scale_2: float | None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=scale_2, update_weight_target_module=targets)
+
+    message = (
+        "--diffusion-guidance-scale-2 is required when --update-weight-target-module trains transformer_2 (the "
+        "low-noise expert): the guidance scale that expert is sampled and trained with is part of what it learns, "
+        "so it is given, not copied from --diffusion-guidance-scale (diffusers' fallback, used while transformer_2 "
+        "stays frozen)"
+    )
+    # Unset targets mean both experts (the family's trainable components).
+    for targets in (None, "transformer,transformer_2", " transformer_2 ", "transformer_2"):
+        assert host.validate(config(targets, None)) == [message], targets
+        assert host.validate(config(targets, 3.0)) == []
+        assert host.validate(config(targets, 0.0)) == []  # zero is a value, not "unset"
+    # Control: the high-noise expert alone needs no second scale (diffusers' fallback),
+    # nor does SFT, which samples nothing.
+    assert host.validate(config("transformer", None)) == []
+    sft = config("transformer,transformer_2", None)
+    sft.loss_type = "sft_loss"
+    assert host.validate(sft) == []
 
 
-def test_validation_requires_both_experts_as_update_targets(host: PluginHost) -> None:
-    def config(targets: str) -> types.SimpleNamespace:
-        return types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=3.0, update_weight_target_module=targets)
+def test_validation_keeps_sft_on_both_experts(host: PluginHost) -> None:
+    def config(targets: str, loss: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            model_family="wan2_2", diffusion_guidance_scale_2=3.0, update_weight_target_module=targets, loss_type=loss
+        )
 
-    assert host.validate(config("transformer,transformer_2")) == []
-    assert host.validate(config(" transformer_2 , transformer ")) == []
-    for targets in ("transformer", "transformer_2", "transformer,transformer_2,vae"):
-        assert host.validate(config(targets)) == [
-            f"--update-weight-target-module {targets}: the Wan 2.2 family trains both experts, "
-            "--update-weight-target-module transformer,transformer_2 (a rollout's SDE steps fall on both sides of the "
-            "expert boundary, and the trainer cannot skip the steps of an expert it does not train)"
+    for targets in ("transformer", "transformer_2"):
+        assert host.validate(config(targets, "sft_loss")) == [
+            f"--loss-type sft_loss and --update-weight-target-module {targets}: SFT draws each row's step over the whole "
+            "schedule, so some rows would fall on the frozen expert; train both experts "
+            "(--update-weight-target-module transformer,transformer_2)"
         ]
-    # Both rules at once, one line each.
-    both = types.SimpleNamespace(model_family="wan2_2", diffusion_guidance_scale_2=None, update_weight_target_module="transformer")
-    assert len(host.validate(both)) == 2
+        assert host.validate(config(targets, "policy_loss")) == []  # control: the policy losses train one expert
+    assert host.validate(config("transformer,transformer_2", "sft_loss")) == []
 
 
 def test_validation_ignores_other_families(host: PluginHost) -> None:

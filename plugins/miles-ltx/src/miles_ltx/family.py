@@ -79,6 +79,7 @@ class LtxFamily(ModelFamily):
 
     pipeline_class: ClassVar[str] = "diffusers:LTX2Pipeline"
     latent_streams: ClassVar[tuple[str, ...]] = ("latents", "audio_latents")
+    audio_latent_streams: ClassVar[tuple[str, ...]] = ("audio_latents",)
 
     timestep_divisor: ClassVar[float] = 1000.0
     """The transformer takes the scheduler's timesteps (``σ x 1000``) as both its
@@ -400,10 +401,69 @@ class LtxFamily(ModelFamily):
         return {"audio": pipe.vocoder(mel).float()}
 
     def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
-        raise NotImplementedError(
-            "the ltx family cannot encode pixels for SFT: LTX-2 denoises video and audio latents jointly, "
-            "and an SFT row (an image) has no audio track to encode"
-        )
+        """Pixels in [0, 1], ``[B, C, F, H, W]`` (or ``[B, C, H, W]``: one frame), to the
+        packed, normalised video latents, the inverse of :meth:`decode`: the video VAE
+        posterior's mean (SFT targets are data, not a draw), normalised with the VAE's
+        ``latents_mean`` / ``latents_std`` and ``scaling_factor``, then packed into the
+        transformer's tokens. The audio stream comes from :meth:`encode_audio`."""
+        pipe = self.pipeline
+        vae = pipe.vae
+        x = pixels.to(self.device, vae.dtype)
+        if x.ndim == 4:
+            x = x.unsqueeze(2)
+        if x.ndim != 5:
+            raise ValueError(f"LTX-2 encodes [B, C, F, H, W] or [B, C, H, W] pixels, got shape {tuple(pixels.shape)}")
+        z = vae.encode(x * 2 - 1).latent_dist.mean
+        z = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        packed = pipe._pack_latents(z, pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        return {"latents": packed.to(self.dtype).contiguous()}
+
+    def encode_audio(self, waveform: torch.Tensor, sample_rate: int, params: GenerationParams) -> Latents:
+        """A waveform ``[B, channels, samples]`` in [-1, 1] to the packed, normalised audio
+        latents of the clip (the inverse of :meth:`extra_outputs` up to the vocoder, which
+        has no inverse: the audio VAE encodes a mel spectrogram, :mod:`miles_ltx.log_mel`).
+
+        The clip lasts ``num_frames / fps`` seconds (the same frame rate the transformer's
+        positions see); its first that many seconds of audio are resampled to the audio
+        VAE's rate and cut (or, for the last fraction of a latent frame, zero-padded) to
+        ``audio_frames x 4`` mel frames, which the VAE's two 2x causal downsamplings turn
+        into the pipeline's ``audio_frames``. Mono is duplicated to the VAE's two channels.
+        The posterior's mean is normalised with the audio VAE's ``latents_mean`` /
+        ``latents_std`` on the packed layout, as :meth:`extra_outputs` un-normalises it."""
+        import torch
+
+        from miles_ltx.log_mel import log_mel_spectrogram, resample
+
+        pipe = self.pipeline
+        vae = pipe.audio_vae
+        geo = self._geometry(params)
+        frames = params.num_frames if params.num_frames is not None else _DEFAULT_NUM_FRAMES
+        seconds = frames / geo.fps
+        if waveform.ndim != 3:
+            raise ValueError(f"is not a [B, channels, samples] waveform (shape {tuple(waveform.shape)})")
+        channels = int(vae.config.in_channels)
+        x = waveform.float()
+        if x.shape[1] == 1 and channels > 1:
+            x = x.expand(-1, channels, -1)
+        elif x.shape[1] != channels:
+            raise ValueError(f"has {x.shape[1]} channels; the audio VAE takes {channels} (mono is duplicated)")
+        if x.shape[-1] < round(seconds * sample_rate):
+            raise ValueError(
+                f"lasts {x.shape[-1] / sample_rate:.3f} s; the clip needs {seconds:.3f} s ({frames} frames at {geo.fps:g} fps)"
+            )
+        rate, hop = int(pipe.audio_sampling_rate), int(pipe.audio_hop_length)
+        mel_frames = geo.audio_frames * int(pipe.audio_vae_temporal_compression_ratio)
+        # A little past the clip goes through the resampler, whose wrap-around lands there.
+        margin = min(x.shape[-1], math.ceil((seconds + 0.1) * sample_rate))
+        x = resample(x[..., :margin], sample_rate, rate)[..., : mel_frames * hop]
+        x = torch.nn.functional.pad(x, (0, mel_frames * hop - x.shape[-1]))
+        mel = log_mel_spectrogram(x, rate, hop, int(vae.config.mel_bins))[:, :, :mel_frames]
+        z = vae.encode(mel.to(self.device, vae.dtype)).latent_dist.mean
+        expected = (geo.audio_channels, geo.audio_frames, geo.latent_mel_bins)
+        if tuple(z.shape[1:]) != expected:
+            raise ValueError(f"encodes to audio latents {tuple(z.shape[1:])}, but the pipeline denoises {expected}")
+        packed = pipe._normalize_audio_latents(pipe._pack_audio_latents(z), vae.latents_mean, vae.latents_std)
+        return {"audio_latents": packed.to(self.dtype).contiguous()}
 
     # -- class side -------------------------------------------------------------------
 

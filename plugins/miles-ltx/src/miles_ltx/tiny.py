@@ -154,11 +154,14 @@ def _vae() -> AutoencoderKLLTX2Video:
 
 def _audio_vae() -> AutoencoderKLLTX2Audio:
     # base_channels doubles as the length of latents_mean/std, which the pipeline applies
-    # to packed audio latents (channels x latent mel bins), so the two must agree.
+    # to packed audio latents (channels x latent mel bins), so the two must agree. Three
+    # levels, as the real VAE: two 2x causal downsamplings give the 4x time and mel-bin
+    # compression the pipeline assumes, so encoding a clip's mel spectrogram (SFT) gives
+    # the latent shape the pipeline denoises.
     return AutoencoderKLLTX2Audio(
         base_channels=AUDIO_PACKED_CHANNELS,
         output_channels=2,
-        ch_mult=(1,),
+        ch_mult=(1, 2, 4),
         num_res_blocks=1,
         attn_resolutions=None,
         in_channels=2,

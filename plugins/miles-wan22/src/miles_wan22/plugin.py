@@ -11,18 +11,24 @@ from typing import Any
 from miles_core.api import ModelFamilySpec, hookimpl
 
 FAMILY_NAME = "wan2_2"
+TI2V_FAMILY_NAME = "wan2_2_ti2v"
 
 EXPERTS = ("transformer", "transformer_2")
 
+LOW_NOISE_EXPERT = EXPERTS[1]
+
 GUIDANCE_SCALE_2_REQUIRED = (
-    "--diffusion-guidance-scale-2 is required for the Wan 2.2 family: the low-noise expert "
-    "(transformer_2) has its own guidance scale and there is no fallback"
+    "--diffusion-guidance-scale-2 is required when --update-weight-target-module trains transformer_2 (the "
+    "low-noise expert): the guidance scale that expert is sampled and trained with is part of what it learns, "
+    "so it is given, not copied from --diffusion-guidance-scale (diffusers' fallback, used while transformer_2 "
+    "stays frozen)"
 )
 
 
 @hookimpl
 def miles_register_model_families() -> list[ModelFamilySpec]:
-    """The ``wan2_2`` family: two experts split by timestep, both trainable."""
+    """The ``wan2_2`` family (A14B: two experts split by timestep) and the ``wan2_2_ti2v``
+    family (TI2V-5B: one transformer, per-token timesteps)."""
     return [
         ModelFamilySpec(
             name=FAMILY_NAME,
@@ -42,36 +48,59 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             n_samples_per_prompt=16,
             rollout_microgroup_size=8,
             generation_options=("num_frames", "fps", "guidance_scale_2"),
-        )
+        ),
+        ModelFamilySpec(
+            name=TI2V_FAMILY_NAME,
+            ref="miles_wan22.ti2v:WanTI2VFamily",
+            description=(
+                "Wan 2.2 TI2V-5B text-to-video (diffusers WanPipeline with expand_timesteps): one "
+                "transformer with a timestep per latent token, Wan 2.2's VAE (48 channels, 16x spatial, "
+                "4x temporal)"
+            ),
+            # More specific than wan2_2's "wan2.2": a name matching both is this family's
+            # (family_match prefers the pattern that contains the other).
+            checkpoint_patterns=("wan2.2-ti2v", "wan-2.2-ti2v", "ti2v-5b"),
+            pipeline_classes=("WanPipeline",),
+            checkpoint_check="miles_wan22.checkpoint:ti2v_wan",
+            trainable_components=("transformer",),
+            lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+            # No RL recipe is published for TI2V-5B: the reference's Wan 2.2 group and
+            # microgroup (16 / 8), which the smaller dense model fits at least as well.
+            n_samples_per_prompt=16,
+            rollout_microgroup_size=8,
+            # One transformer: WanPipeline refuses guidance_scale_2 without a boundary_ratio.
+            generation_options=("num_frames", "fps"),
+        ),
     ]
 
 
-def both_experts_required(value: str) -> str:
+def sft_needs_both_experts(value: str) -> str:
     return (
-        f"--update-weight-target-module {value}: the Wan 2.2 family trains both experts, "
-        "--update-weight-target-module transformer,transformer_2 (a rollout's SDE steps fall on both sides of the "
-        "expert boundary, and the trainer cannot skip the steps of an expert it does not train)"
+        f"--loss-type sft_loss and --update-weight-target-module {value}: SFT draws each row's step over the whole "
+        "schedule, so some rows would fall on the frozen expert; train both experts "
+        "(--update-weight-target-module transformer,transformer_2)"
     )
 
 
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
-    """Require ``--diffusion-guidance-scale-2`` for Wan 2.2, and both experts as
-    ``--update-weight-target-module``.
+    """Wan 2.2's rules on the experts ``--update-weight-target-module`` trains (the core
+    checks that it names modules the family has).
 
-    diffusers silently reuses ``guidance_scale`` for the low-noise expert when
-    ``guidance_scale_2`` is None; the reference refuses to guess, and so do we. Training
-    one expert alone would back-propagate the other expert's steps through frozen
-    weights (a crash deep in autograd), so it is refused here with the flag to set.
+    ``--diffusion-guidance-scale-2`` is required when the low-noise expert trains on
+    rollouts (the reference's rule; SFT samples nothing); otherwise an unset value is
+    diffusers' fallback, ``guidance_scale_2 = guidance_scale``. One expert trains under the
+    policy losses (the trainer leaves the other expert's steps out); SFT would regress rows
+    of the frozen expert, so it trains both.
     """
     if getattr(config, "model_family", None) != FAMILY_NAME:
         return []
+    targets = str(getattr(config, "update_weight_target_module", None) or ",".join(EXPERTS))
+    trained = {name.strip() for name in targets.split(",") if name.strip()}
+    sft = getattr(config, "loss_type", None) == "sft_loss"
     errors = []
-    if getattr(config, "diffusion_guidance_scale_2", None) is None:
+    if LOW_NOISE_EXPERT in trained and not sft and getattr(config, "diffusion_guidance_scale_2", None) is None:
         errors.append(GUIDANCE_SCALE_2_REQUIRED)
-    targets = getattr(config, "update_weight_target_module", None)
-    if targets is not None:
-        names = {name.strip() for name in str(targets).split(",") if name.strip()}
-        if names != set(EXPERTS):
-            errors.append(both_experts_required(str(targets)))
+    if sft and len(trained & set(EXPERTS)) == 1:
+        errors.append(sft_needs_both_experts(targets))
     return errors

@@ -1,4 +1,5 @@
-"""A tiny, randomly initialised two-expert Wan 2.2 pipeline (real diffusers classes).
+"""Tiny, randomly initialised Wan 2.2 pipelines (real diffusers classes): the two-expert
+A14B layout (:func:`build`) and the one-transformer TI2V-5B layout (:func:`build_ti2v`).
 
 Heavy module (torch, diffusers, transformers): import it only when building.
 Tiny configurations of the real classes (docs/guide.md, "Tiny pipelines"); the saved directory is well under 1 MB and
@@ -25,25 +26,32 @@ LATENT_CHANNELS = 16
 """VAE ``z_dim``; also the transformers' in/out channels (the VAE's latents_mean/std have 16)."""
 _MODULE_COUNT = 4
 """Seeded modules per pipeline (text encoder, VAE, two experts)."""
+TI2V_LATENT_CHANNELS = 48
+"""Wan 2.2's own VAE (TI2V-5B): ``z_dim`` 48, the transformer's in/out channels."""
+TI2V_FLOW_SHIFT = 5.0
+"""Wan's published TI2V-5B sampling shift (``sample_shift``)."""
 
 T = TypeVar("T")
 
 
-def _transformer() -> WanTransformer3DModel:
-    """One expert; both experts share this config and differ only in their weights."""
+def _transformer(channels: int = LATENT_CHANNELS, rope_max_seq_len: int = 32) -> WanTransformer3DModel:
+    """One A14B expert (both share this config and differ only in their weights), or, with
+    ``TI2V_LATENT_CHANNELS`` and a RoPE grid of 64 positions of 32 px (which reaches
+    WanPipeline's default 480x832 and 81 frames, so the family's defaults resolve), TI2V-5B's
+    transformer layout: two small layers, 1x2x2 patches."""
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=8,
-        in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS,
+        in_channels=channels,
+        out_channels=channels,
         text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=32,
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=rope_max_seq_len,
     )
 
 
@@ -79,14 +87,36 @@ def _vae() -> AutoencoderKLWan:
     ).eval()
 
 
-def _scheduler() -> UniPCMultistepScheduler:
+def _scheduler(flow_shift: float = 3.0) -> UniPCMultistepScheduler:
     # What the released Wan checkpoints ship: UniPC in flow-matching mode.
     return UniPCMultistepScheduler(
         num_train_timesteps=1000,
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=3.0,
+        flow_shift=flow_shift,
     )
+
+
+def _ti2v_vae() -> AutoencoderKLWan:
+    """Wan 2.2's VAE layout: residual blocks, 2x2 pixel patchification in front (3 x 4 =
+    12 channels in and out), three spatial and two temporal halvings: 16x spatial, 4x
+    temporal, as the real one. Latent statistics that are neither 0 nor 1, so a test sees
+    the normalisation."""
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=TI2V_LATENT_CHANNELS,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[round((i % 7 - 3) / 10, 2) for i in range(TI2V_LATENT_CHANNELS)],
+        latents_std=[round(0.5 + (i % 5) / 4, 2) for i in range(TI2V_LATENT_CHANNELS)],
+    ).eval()
 
 
 def _seeded(seed: int, index: int, make: Callable[[], T]) -> T:
@@ -112,4 +142,25 @@ def build(out_dir: str | Path, *, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(out)
     mark_tiny(out, family="wan22")  # commands load it without the hub libraries' notices
+    return out
+
+
+def build_ti2v(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2 TI2V-5B-like pipeline (``WanPipeline`` with
+    ``expand_timesteps``, one transformer, Wan 2.2's VAE) to ``out_dir``; the same
+    ``seed`` gives identical weights."""
+    out = Path(out_dir)
+    tokenizer = t5_tokenizer(model_max_length=512)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        vae=_seeded(seed, 1, _ti2v_vae),
+        scheduler=_scheduler(TI2V_FLOW_SHIFT),
+        transformer=_seeded(seed, 2, lambda: _transformer(TI2V_LATENT_CHANNELS, rope_max_seq_len=64)),
+        transformer_2=None,
+        boundary_ratio=None,
+        expand_timesteps=True,
+    )
+    pipe.save_pretrained(out)
+    mark_tiny(out, family="wan22_ti2v")  # commands load it without the hub libraries' notices
     return out
