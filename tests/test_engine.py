@@ -271,3 +271,21 @@ def test_generation_runs_off_the_event_loop(engine: EmbeddedEngine, monkeypatch:
     assert len(predict_times) == 12
     during = [t for t in ticks if predict_times[0] < t < predict_times[-1]]
     assert len(during) > 0, "the event loop did not advance while the engine generated"
+
+
+def test_a_family_whose_noise_is_a_strided_view_still_recomputes_exactly(engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family may hand back its initial noise as a transposed view (FLUX.2's packing is a
+    permute). The sampler steps from a contiguous copy, so every later latent has the
+    layout the trainer's stacked copies have and the per-sample log-prob reductions sum in
+    the same order: exact by construction, whatever the family's layout."""
+    original = engine.family.initial_latents
+
+    def strided(params, generators):
+        latents = original(params, generators)
+        # Same values, channels-last strides: x.permute(...).contiguous().permute(back).
+        return {name: x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) for name, x in latents.items()}
+
+    monkeypatch.setattr(engine.family, "initial_latents", strided)
+    req = request(guidance_scale=1.0, rollout_sde_step_indices=(0, 1, 2))
+    (output,) = engine.generate_sync(req)
+    assert torch.equal(recompute_log_probs(engine, output, req), output.rollout_log_probs)

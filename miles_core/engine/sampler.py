@@ -150,7 +150,10 @@ def _denoise(
     return_steps = set(request.return_steps()) if want_trajectory else set()
     debug = request.rollout and request.rollout_debug_mode
 
-    latents = family.initial_latents(params, generators)
+    # Contiguous whatever layout the family hands back (a packing can be a transposed
+    # view): every later latent inherits it, and the per-sample log-prob reductions must sum
+    # in the order the trainer's recomputation (over stacked, contiguous copies) does.
+    latents = {name: x.contiguous() for name, x in family.initial_latents(params, generators).items()}
     trajectory: dict[int, Latents] = {0: latents} if 0 in return_steps else {}
     log_probs = torch.zeros(batch, steps, dtype=torch.float32)
     records: dict[str, list[torch.Tensor]] = {"noise": [], "mean": [], "std": [], "velocity": []}

@@ -164,13 +164,10 @@ class Flux2Family(FluxFamily):
         rows, columns = self._token_grid(params)
         channels = 4 * (self.pipeline.transformer.config.in_channels // 4)
         # randn_tensor with a list of generators draws [1, 4C, h/2, w/2] per row, as here;
-        # then prepare_latents packs the batch into tokens. The packing is a transposed
-        # view: made contiguous (same values), or every later step would inherit its
-        # strides and the engine's per-sample log-prob reductions would sum in another
-        # order than the trainer's over its contiguous copies (a last-bit drift).
+        # then prepare_latents packs the batch into tokens (a transposed view, which the
+        # engine's sampler makes contiguous before stepping).
         noise = per_output_noise((1, channels, rows, columns), generators)
-        packed = type(self.pipeline)._pack_latents(noise).contiguous()
-        return {"latents": packed.to(self.device, self.dtype)}
+        return {"latents": type(self.pipeline)._pack_latents(noise).to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:
         import numpy as np
@@ -261,5 +258,5 @@ class Flux2Family(FluxFamily):
         x = pixels.to(self.device, vae.dtype) * 2 - 1  # [0, 1] -> [-1, 1], as VaeImageProcessor.preprocess
         latent = type(pipe)._patchify_latents(vae.encode(x).latent_dist.mode())
         mean, std = self._bn_stats(latent)
-        packed = type(pipe)._pack_latents((latent - mean) / std).contiguous()  # see initial_latents
+        packed = type(pipe)._pack_latents((latent - mean) / std)
         return {"latents": packed.to(self.dtype)}
