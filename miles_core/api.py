@@ -62,6 +62,10 @@ _LAZY: dict[str, str] = {
     "request_max_sequence_length": "miles_core.family",
     "request_size": "miles_core.family",
     "scheduler_copy": "miles_core.family",
+    # A request's conditioning image (image-to-video families).
+    "ConditioningImage": "miles_core.conditioning_image",
+    "load_conditioning_image": "miles_core.conditioning_image",
+    "request_image": "miles_core.conditioning_image",
     # Recognising a checkpoint directory by its contents.
     "component_config": "miles_core.family_match",
     # The /rollout/generate request and its per-output result.

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
 
+    from miles_core.conditioning_image import ConditioningImage
     from miles_core.request import RolloutRequest
 
 Latents = dict[str, "torch.Tensor"]
@@ -48,6 +49,13 @@ class GenerationParams:
     flow_shift: float | None = None
     """Flow-matching shift of the sampling schedule, ``σ' = s·σ / (1 + (s − 1)·σ)``
     (``extra_sampling_params.flow_shift``); None: the checkpoint scheduler's own config."""
+    image: ConditioningImage | None = None
+    """The request's conditioning image (``image_path``), set by ``resolve_params`` of a
+    family that takes one (:func:`~miles_core.conditioning_image.request_image`). Only
+    the engine side sees it: :meth:`ModelFamily.encode` turns it into conditioning
+    tensors, and the trainer's parameters (rebuilt from ``denoising_env``) carry none, so
+    ``predict`` and :meth:`ModelFamily.final_latents` must read the image from the
+    conditioning."""
 
 
 @dataclass
@@ -81,7 +89,8 @@ class Conditioning:
 
     @staticmethod
     def cat(parts: Sequence[Conditioning]) -> Conditioning:
-        """Concatenate along the batch (the trainer's micro-batches)."""
+        """Concatenate along the batch (the trainer's micro-batches); parts must hold the
+        same tensor names (a ValueError naming both sets otherwise)."""
         import torch
 
         def join(key: str) -> dict[str, torch.Tensor] | None:
@@ -90,6 +99,11 @@ class Conditioning:
                 if not all(v is None for v in values):
                     raise ValueError("cannot batch conditionings with and without a negative prompt")
                 return None
+            keys = set(values[0])
+            for value in values[1:]:
+                if set(value) != keys:
+                    # An image-conditioned row and a text-only one: never one batch.
+                    raise ValueError(f"cannot batch conditionings with different {key} tensors: {sorted(keys)} and {sorted(value)}")
             return {k: torch.cat([v[k] for v in values], dim=0) for k in values[0]}
 
         return Conditioning(join("positive"), join("negative"))  # type: ignore[arg-type]
@@ -123,6 +137,11 @@ class ModelFamily(abc.ABC):
     others come from :meth:`encode_pixels`. SFT rows of such a family need an audio file."""
     batched_outputs: ClassVar[bool] = True
     """False when the forward has no batch dimension (Cosmos 3): the engine loops."""
+    image_input: ClassVar[str] = "none"
+    """Whether requests carry a conditioning image (``image_path``): ``"none"`` (text
+    only; an image is refused), ``"optional"`` (Wan 2.2 TI2V-5B: text- or image-to-video)
+    or ``"required"`` (Wan 2.2 I2V-A14B). A family that takes one sets
+    ``GenerationParams.image`` in :meth:`resolve_params` and encodes it in :meth:`encode`."""
     tiny_variants: ClassVar[tuple[str, ...]] = ()
     """Names :meth:`build_tiny_pipeline` takes as ``variant`` (``make-tiny --variant``), the
     default first; empty when the family builds one kind of tiny pipeline."""
@@ -255,6 +274,13 @@ class ModelFamily(abc.ABC):
         ``pipeline.load_lora_weights(directory)``. Families whose pipeline has no LoRA
         loader override it (Cosmos 3 loads through its transformer's adapter API)."""
         return self.pipeline.load_lora_weights(str(directory))
+
+    def final_latents(self, latents: Latents, cond: Conditioning, params: GenerationParams) -> Latents:
+        """The latents :meth:`decode` and :meth:`extra_outputs` take, from the last state of
+        the denoising loop. Default: the state itself. A family whose state leaves out
+        latents it does not denoise puts them back here (Wan 2.2 TI2V-5B with an image
+        denoises frames 1.. and prepends the image's latent frame from ``cond``)."""
+        return latents
 
     def extra_outputs(self, latents: Latents, params: GenerationParams) -> dict[str, torch.Tensor]:
         """Further decoded outputs per sample, batch first (LTX-2's audio); none by default."""

@@ -6,7 +6,8 @@ A family plugin's tests call these instead of re-deriving them; each check raise
 so a test can print it. They generalise what the SD3 tests pin:
 
 - :func:`tiny_train_args` / :func:`run_training`: a short Flow-GRPO run with LoRA on
-  the tiny pipeline, in process (:func:`tiny_sft_args`: a short SFT run on random images;
+  the tiny pipeline, in process (``image=``: prompt rows with a conditioning image from
+  :func:`write_conditioning_image`, for image-to-video families) (:func:`tiny_sft_args`: a short SFT run on random images;
   :func:`check_video_sft_fits_a_clip`: video SFT on a fixed clip against an lr-0 control).
 - :func:`check_alignment_probe`: the engine and the trainer compute the same log-probs
   and model outputs, exactly (``--debug-skip-optimizer-step --diffusion-debug-mode``
@@ -66,17 +67,46 @@ def tiny_microgroup(checkpoint: str | Path, family: str | None = None) -> int:
     return min(2, spec.max_microgroup_size or 2)
 
 
-def tiny_train_args(checkpoint: str | Path, out_dir: str | Path, *extra: str, family: str | None = None) -> list[str]:
+def write_conditioning_image(path: str | Path, *, height: int, width: int, seed: int = 0) -> Path:
+    """A deterministic RGB PNG of ``height`` x ``width`` pixels at ``path`` (folders
+    created) for image-to-video tests: smooth seeded colour waves (a few low-frequency
+    sinusoids per channel, phases and frequencies drawn from ``seed``), so the VAE sees
+    structure rather than noise and two seeds give clearly different images. Returns
+    ``path``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.meshgrid(np.linspace(0, 1, height), np.linspace(0, 1, width), indexing="ij")
+    channels = []
+    for _ in range(3):
+        fy, fx = rng.uniform(0.5, 2.0, size=2)
+        phase = rng.uniform(0, 2 * np.pi)
+        channels.append(0.5 + 0.5 * np.sin(2 * np.pi * (fy * y + fx * x) + phase))
+    pixels = np.rint(np.stack(channels, axis=-1) * 255).astype(np.uint8)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(out, format="PNG")  # uint8 H x W x 3: RGB
+    return out
+
+
+def tiny_train_args(
+    checkpoint: str | Path, out_dir: str | Path, *extra: str, family: str | None = None, image: str | Path | None = None
+) -> list[str]:
     """The flags of a short Flow-GRPO run on a tiny pipeline: one prompt per rollout with
     2 samples in microgroups of 2 (or the family's maximum), 3 denoising steps of which 2
     are SDE steps, the pipeline's native size, ``brightness`` reward, LoRA, 2 rollouts,
     fp32, deterministic; ``extra`` is appended (a repeated flag overrides). Writes the
-    prompt file (:data:`PROMPTS`) to ``out_dir/prompts.jsonl``; ``out_dir`` is the run's
+    prompt file (:data:`PROMPTS`) to ``out_dir/prompts.jsonl``, every row with
+    ``"image"``: ``image`` as an absolute path when it is given (an image-to-video family's
+    conditioning image, see :func:`write_conditioning_image`); ``out_dir`` is the run's
     ``--output-dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": p}) + "\n" for p in PROMPTS), encoding="utf-8")
+    # Absolute: the run resolves a relative row path against the prompt file's folder.
+    rows = [{"input": p} if image is None else {"input": p, "image": str(Path(image).absolute())} for p in PROMPTS]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return [
         "--hf-checkpoint",
         str(checkpoint),
@@ -453,6 +483,7 @@ def check_training_reaches_components(
     *extra: str,
     family: str | None = None,
     frozen: Sequence[str] = (),
+    image: str | Path | None = None,
 ) -> dict[str, float]:
     """Build the trainer on the tiny pipeline with LoRA on every declared trainable
     component (``--update-weight-target-module`` = the spec's ``trainable_components``),
@@ -461,7 +492,9 @@ def check_training_reaches_components(
     ``--lora-target-modules`` suffix, over the modules it wraps in each component), that
     each of them changed, and that no parameter whose ``component.name`` starts with one
     of ``frozen`` has a gradient or changed (each prefix must match some parameter).
-    ``extra`` flags are appended. Returns the gradient norm of each component."""
+    ``extra`` flags are appended; ``image``: the rollout's prompt carries this conditioning
+    image (an image-to-video family's, see :func:`write_conditioning_image`). Returns the
+    gradient norm of each component."""
     import torch
 
     from miles_core.engine.factory import create_engine
@@ -519,9 +552,8 @@ def check_training_reaches_components(
     assert not watched & set(trainable), f"parameters under the frozen prefixes are trainable: {sorted(watched & set(trainable))[:5]}"
     before = {n: p.detach().clone() for n, p in everything.items() if n in trainable or n in watched}
 
-    groups = asyncio.run(
-        generate_rollout(engine, RolloutSettings.from_config(config), 0, [PromptRecord(PROMPTS[0])], strategy_from_config(config))
-    )
+    record = PromptRecord(PROMPTS[0], image=None if image is None else str(Path(image).absolute()))
+    groups = asyncio.run(generate_rollout(engine, RolloutSettings.from_config(config), 0, [record], strategy_from_config(config)))
     samples = [s for group in groups for s in group]
     advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(samples))])
     metrics = trainer.train_rollout(samples, advantages)

@@ -41,11 +41,16 @@ class Registration:
         return self.spec.name
 
     def load(self) -> Any:
-        """Import and return the implementation the spec's ``ref`` names."""
+        """Import and return the implementation the spec's ``ref`` names, checked against
+        the spec (:meth:`~miles_core.specs.Spec.check_implementation`)."""
         try:
-            return load_ref(self.spec.ref)
+            obj = load_ref(self.spec.ref)
         except RefError as exc:
             raise ComponentLoadError(f"{self.spec.kind} {self.spec.name!r} from {self.plugin}: {exc}") from exc
+        problem = self.spec.check_implementation(obj)
+        if problem is not None:
+            raise ComponentLoadError(f"{self.spec.kind} {self.spec.name!r} from {self.plugin}: {problem}")
+        return obj
 
 
 class Registry:

@@ -59,6 +59,10 @@ class RolloutRequest:
     """Latents to return (index T is the final latent); None: all of 0..T."""
     extra_sampling_params: Mapping[str, Any] = field(default_factory=dict)
     request_id: str = ""
+    image_path: tuple[str, ...] | None = None
+    """The conditioning image of an image-to-video request (sglang-diffusion's field: a
+    path, or a list holding one path, readable where the engine runs); None: text only.
+    See :mod:`miles_core.conditioning_image`."""
 
     @classmethod
     def from_json(cls, data: Any) -> RolloutRequest:
@@ -100,6 +104,8 @@ class RolloutRequest:
             raise RequestError("rollout_noise_level", f"must be a finite number >= 0, got {self.rollout_noise_level}")
         if not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
             raise RequestError("guidance_scale", f"must be a finite number >= 0, got {self.guidance_scale}")
+        if self.image_path is not None and len(self.image_path) != 1:
+            raise RequestError("image_path", f"takes one conditioning image per request, got {len(self.image_path)}")
         self.flow_shift  # noqa: B018 - reading the property checks the value
         steps = self.num_inference_steps
         for name, upper in (("rollout_sde_step_indices", steps - 1), ("rollout_return_step_indices", steps + 1)):
@@ -145,7 +151,7 @@ class RolloutRequest:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in ("rollout_sde_step_indices", "rollout_return_step_indices"):
+        for name in ("rollout_sde_step_indices", "rollout_return_step_indices", "image_path"):
             if data[name] is not None:
                 data[name] = list(data[name])
         data["extra_sampling_params"] = dict(self.extra_sampling_params)
@@ -176,6 +182,7 @@ _NULLABLE = {
     "fps",
     "rollout_sde_step_indices",
     "rollout_return_step_indices",
+    "image_path",
 }
 
 
@@ -204,6 +211,11 @@ def _check(name: str, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise RequestError(name, f"must be a list of integers, got {value!r}")
         return tuple(value)
+    if name == "image_path":
+        paths = [value] if isinstance(value, str) else value
+        if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+            raise RequestError(name, f"must be a path or a list of paths (non-empty strings), got {value!r}")
+        return tuple(paths)
     if name == "extra_sampling_params":
         if not isinstance(value, dict):
             raise RequestError(name, f"must be an object, got {value!r}")

@@ -36,6 +36,12 @@ class Spec:
         if not isinstance(self.ref, str) or not _REF.match(self.ref):
             raise ValueError(f"{type(self).__name__} {self.name!r}: ref {self.ref!r} must look like 'package.module:object'")
 
+    def check_implementation(self, obj: Any) -> str | None:
+        """Why the object :attr:`ref` names contradicts this record (metadata the core
+        acts on before importing it), or None. Checked by
+        :meth:`~miles_core.registry.Registration.load`."""
+        return None
+
     def metadata(self) -> dict[str, Any]:
         """Plain metadata (everything but name and ref), for listings and ``config``."""
         from dataclasses import asdict
@@ -106,6 +112,20 @@ class ModelFamilySpec(Spec):
     :data:`FAMILY_GENERATION_OPTIONS` (``num_frames``, ``fps`` for video,
     ``guidance_scale_2``, ``true_cfg_scale``). Setting the flag of one the family does
     not list is a configuration error, not a silently ignored value."""
+    image_input: str = "none"
+    """Whether the family's prompts carry a conditioning image: ``"none"``,
+    ``"optional"`` or ``"required"``; the same value as the family class's
+    :attr:`~miles_core.family.ModelFamily.image_input`, here so that a run checks its
+    prompt rows (``--image-key``) before loading the model."""
+
+    def check_implementation(self, obj: Any) -> str | None:
+        """The family class must declare the same :attr:`image_input` as its record: the
+        run checks prompt rows by the record, the engine checks requests by the class."""
+        declared = getattr(obj, "image_input", "none")
+        if declared != self.image_input:
+            name = getattr(obj, "__qualname__", repr(obj))
+            return f"its class {name} has image_input {declared!r} but the ModelFamilySpec says {self.image_input!r}; they must agree"
+        return None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -135,6 +155,8 @@ class ModelFamilySpec(Spec):
                 f"ModelFamilySpec {self.name!r}: default_guidance_scale {scale} samples with CFG, which a family "
                 "without supports_cfg_training refuses; use 1 or less"
             )
+        if self.image_input not in ("none", "optional", "required"):
+            raise ValueError(f"ModelFamilySpec {self.name!r}: image_input {self.image_input!r} must be 'none', 'optional' or 'required'")
         unknown = [o for o in self.generation_options if o not in FAMILY_GENERATION_OPTIONS]
         if unknown:
             raise ValueError(f"ModelFamilySpec {self.name!r}: generation_options {unknown} not among {sorted(FAMILY_GENERATION_OPTIONS)}")

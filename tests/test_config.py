@@ -91,13 +91,13 @@ def test_family_from_name_patterns_and_override():
 def test_unknown_or_unmatched_family_lists_installed():
     (message,) = errors_of("--hf-checkpoint", "acme/mystery", "--rollout-batch-size", "1")
     assert (
-        "as a hub id no installed model family matches its name (installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_ti2v)"
+        "as a hub id no installed model family matches its name (installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v)"
         in message
     )
     assert "pass --diffusion-model-family" in message
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--diffusion-model-family", "hunyuan")
     assert message.startswith(
-        "--diffusion-model-family hunyuan: unknown model family; installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_ti2v"
+        "--diffusion-model-family hunyuan: unknown model family; installed: cosmos3, flux, ltx, qwen_image, sd3, wan2_2, wan2_2_i2v, wan2_2_ti2v"
     )
 
 

@@ -29,7 +29,7 @@ INSTALLED = get_host().registries.model_family.names()
 REQUIRED = ["--rollout-batch-size", "1", "--diffusion-num-sde-steps", "2"]
 """The flags every training configuration needs: prompts per rollout, and SDE steps for
 the default loss (policy_loss trains on them; the global default 0 trains none)."""
-FAMILY_REQUIRED = {"wan2_2": ["--diffusion-guidance-scale-2", "3"]}
+FAMILY_REQUIRED = {"wan2_2": ["--diffusion-guidance-scale-2", "3"], "wan2_2_i2v": ["--diffusion-guidance-scale-2", "3"]}
 """Flags a family requires and has no default for (miles-wan22 refuses to guess the
 low-noise expert's guidance scale)."""
 
@@ -421,6 +421,8 @@ def test_the_default_configuration_of_each_family_is_valid(family: str, tiny, ne
     run would start, and the requests it sends pass the family's own checks."""
     import torch
 
+    from miles_core.conditioning_image import check_request_image
+    from miles_core.family_checks import write_conditioning_image
     from miles_core.rollout.data import PromptRecord
     from miles_core.rollout.generate import RolloutSettings
     from miles_core.rollout.seeds import Microgroup
@@ -430,15 +432,21 @@ def test_the_default_configuration_of_each_family_is_valid(family: str, tiny, ne
     config = resolve_config(default_argv(family, directory))
     assert config.model_family == family
     assert training_errors(config) == []
-    if family == "wan2_2":
-        # WanPipeline's size (480 x 832) is fixed in its signature; the tiny transformer's
+    if family in ("wan2_2", "wan2_2_i2v"):
+        # WanPipeline's (and WanImageToVideoPipeline's) size (480 x 832) is fixed in its signature; the tiny transformer's
         # RoPE grid reaches 512 px (the miles-wan22 suite pins that refusal), a real one 16384.
         config = resolve_config([*default_argv(family, directory), "--diffusion-height", "64", "--diffusion-width", "64"])
-    loaded = get_host().registries.model_family.get(family).load().from_pretrained(directory, dtype=torch.float32)
+    registration = get_host().registries.model_family.get(family)
+    loaded = registration.load().from_pretrained(directory, dtype=torch.float32)
+    # An image-to-video family's rows carry a conditioning image (required or optional).
+    image = None
+    if registration.spec.image_input != "none":
+        image = str(write_conditioning_image(neutral / "first-frame.png", height=config.diffusion_height, width=config.diffusion_width))
     settings = RolloutSettings.from_config(config)
-    rollout = settings.request("a red cube", Microgroup(0, 0, config.rollout_microgroup_size, 0), (0, 1), (0,))
-    for request in (rollout, *eval_requests(config, [PromptRecord("a red cube")])):
+    rollout = settings.request("a red cube", Microgroup(0, 0, config.rollout_microgroup_size, 0), (0, 1), (0,), image=image)
+    for request in (rollout, *eval_requests(config, [PromptRecord("a red cube", image=image)])):
         request.validate()
+        check_request_image(loaded, request)
         params = loaded.resolve_params(request)
         assert params.guidance_scale == config.diffusion_guidance_scale
 

@@ -322,3 +322,68 @@ def test_flow_shift_and_the_family_guidance_options(tiny: Path, one_prompt: Path
     # Options a family does not have are refused by it, naming the flag.
     err = run_error(["--hf-checkpoint", str(tiny), *COMMON, "--prompt", "p", "--true-cfg-scale", "4", "--out", str(tmp_path / "x")], capsys)
     assert err.startswith("miles-core generate: error: --true-cfg-scale SD3 has no true CFG")
+
+
+class RequiredImageSD3(SD3Family):
+    """SD3 declared image-to-video with a required image (SD3 encodes none: only the
+    command's checks and its manifest read the attribute)."""
+
+    image_input = "required"
+
+
+@pytest.fixture
+def image_family():
+    """The tiny SD3 pipeline's family registered for a while as one that requires an
+    image (the image-to-video families' own tests run the real thing)."""
+    from dataclasses import replace
+
+    from miles_core.plugin_manager import get_host
+    from miles_core.registry import Registration
+
+    registry = get_host().registries.model_family
+    sd3 = registry.get("sd3")
+    spec = replace(sd3.spec, name="sd3_image_test", ref=f"{__name__}:RequiredImageSD3", image_input="required", pipeline_classes=())
+    registry.add(Registration(spec, sd3.plugin))
+    yield spec.name
+    registry.discard(spec.name)
+
+
+def test_image_flags_are_checked_before_the_model_loads(tiny: Path, tmp_path: Path, capsys, image_family: str) -> None:
+    from miles_core.family_checks import write_conditioning_image
+
+    image = write_conditioning_image(tmp_path / "first.png", height=32, width=32)
+    out = tmp_path / "out"
+    text = ["--hf-checkpoint", str(tiny), "--diffusion-model-family", "sd3", "--prompt", "x", "--out", str(out)]
+    assert run_error([*text, "--image", str(image)], capsys).endswith(
+        f"error: --image {image}: the sd3 family takes no conditioning image (it is text-to-image/video)"
+    )
+    base = ["--hf-checkpoint", str(tiny), "--diffusion-model-family", image_family, "--out", str(out)]
+    assert run_error([*base, "--prompt", "x"], capsys).endswith(
+        f"error: --image: the {image_family} family is image-to-video and needs a conditioning image (give --image PATH)"
+    )
+    assert run_error([*base, "--prompt", "x", "--image", str(tmp_path / "nope.png")], capsys).endswith(
+        f"error: --image {tmp_path / 'nope.png'}: no such image file"
+    )
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "a", "image": "first.png"}\n{"input": "b"}\n', encoding="utf-8")
+    assert run_error([*base, "--prompt-file", str(rows)], capsys).endswith(
+        f"error: --prompt-file {rows}:2: no 'image' key: the {image_family} family is image-to-video (set --image-key to the image's key)"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.exercises("--image-key")
+def test_images_reach_the_manifest(tiny: Path, tmp_path: Path, image_family: str) -> None:
+    from miles_core.family_checks import write_conditioning_image
+
+    first = write_conditioning_image(tmp_path / "images" / "first.png", height=32, width=32)
+    second = write_conditioning_image(tmp_path / "second.png", height=32, width=32, seed=1)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "a", "picture": "images/first.png"}\n{"input": "b", "picture": "second.png"}\n', encoding="utf-8")
+    args = ["--hf-checkpoint", str(tiny), "--diffusion-model-family", image_family, "--height", "32", "--width", "32"]
+    args += ["--num-inference-steps", "1", "--guidance-scale", "1", "--prompt-file", str(rows)]
+    assert generate.run([*args, "--image-key", "picture", "--out", str(tmp_path / "rows")]) == 0
+    assert [(r["prompt"], r["image"]) for r in manifest(tmp_path / "rows")] == [("a", str(first)), ("b", str(second))]
+    # --image applies to every prompt, whatever the rows say.
+    assert generate.run([*args, "--image", str(second), "--out", str(tmp_path / "one")]) == 0
+    assert [(r["prompt"], r["image"]) for r in manifest(tmp_path / "one")] == [("a", str(second)), ("b", str(second))]

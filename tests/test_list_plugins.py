@@ -17,7 +17,7 @@ REPO_PLUGINS = {
         },
     ),
     "sd3": ("miles-sd3", {"model_family": ["sd3"]}),
-    "wan22": ("miles-wan22", {"model_family": ["wan2_2", "wan2_2_ti2v"]}),
+    "wan22": ("miles-wan22", {"model_family": ["wan2_2", "wan2_2_ti2v", "wan2_2_i2v"]}),
     "ltx": ("miles-ltx", {"model_family": ["ltx"]}),
     "qwen_image": ("miles-qwen-image", {"model_family": ["qwen_image"]}),
     "cosmos3": ("miles-cosmos3", {"model_family": ["cosmos3"]}),

@@ -193,6 +193,9 @@ def test_malformed_requests_name_the_field_and_the_server_stays_up(served):
         ({**valid, "seed": "x"}, "seed"),
         ([1, 2], "body"),
         ({**valid, "rollout_sde_type": "nope"}, "rollout_sde_type"),
+        ({**valid, "image_path": ["/a.png", "/b.png"]}, "image_path"),
+        # SD3 is text-to-image: an image is refused before the request reaches the engine.
+        ({**valid, "image_path": "/data/first-frame.png"}, "image_path"),
     ]
     for body, field in cases:
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()

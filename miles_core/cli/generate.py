@@ -6,10 +6,13 @@ Prompt *p* with ``--num-outputs N`` and ``--seed S`` gives outputs seeded ``S ..
 Video outputs are written as MP4 (``.mp4``, H.264, every frame, at ``--fps``) through
 imageio with imageio-ffmpeg, which ships its own ffmpeg (the ``video`` extra: ``pip install
 -c constraints.txt -e '.[video]'``); without them, as animated GIFs (``.gif``) with a
-one-line note. Each file gets a line in ``DIR/manifest.jsonl`` (``prompt_index``,
-``prompt``, ``seed``, ``file``), appended as the file is written. An existing output
-file is never overwritten: the command checks every name before loading the model and
-stops (exit status 2) naming the first that exists."""
+one-line note. An image-to-video family takes a conditioning image: ``--image PATH`` for
+every prompt, or, without it, each row of a .jsonl prompt file under ``--image-key``
+(relative to the file's folder). Each file gets a line in ``DIR/manifest.jsonl``
+(``prompt_index``, ``prompt``, ``seed``, ``file``, and ``image`` when there is one),
+appended as the file is written. An existing output file is never overwritten: the
+command checks every name before loading the model and stops (exit status 2) naming the
+first that exists."""
 
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ REQUEST_FLAGS = {
     "negative_prompt": "--negative-prompt",
     "true_cfg_scale": "--true-cfg-scale",
     "extra_sampling_params": "--guidance-scale-2 / --flow-shift",
+    "image_path": "--image",
 }
 
 
@@ -53,6 +57,18 @@ def build_parser(families: Sequence[str] = (), prog: str = "miles-core generate"
         help="prompts: FILE.jsonl (one JSON object per line, the prompt under --input-key) or FILE.txt (one prompt per non-empty line)",
     )
     parser.add_argument("--input-key", default="input", metavar="KEY", help="prompt key of a .jsonl prompt file (default: input)")
+    parser.add_argument(
+        "--image",
+        metavar="PATH",
+        default=None,
+        help="conditioning image of every prompt, for an image-to-video family (Wan 2.2 I2V-A14B needs one, TI2V-5B takes one)",
+    )
+    parser.add_argument(
+        "--image-key",
+        default="image",
+        metavar="KEY",
+        help="without --image: the conditioning-image key of a .jsonl prompt file's rows, relative to its folder (default: image)",
+    )
     parser.add_argument(
         "--negative-prompt",
         metavar="TEXT",
@@ -129,16 +145,21 @@ def _resolve_family(checkpoint: str, explicit: str | None, registry: Any) -> str
         raise UsageError(str(exc)) from None
 
 
-def _load_prompt_file(path: Path, input_key: str) -> list[tuple[str, dict]]:
+Prompt = tuple[str, dict, "str | None"]
+"""A prompt, its metadata and its conditioning image (None: text only)."""
+
+
+def _load_prompt_file(path: Path, input_key: str, image_key: str | None = None, image_required_by: str | None = None) -> list[Prompt]:
     from miles_core.errors import PromptDataError
     from miles_core.rollout.data import load_prompts
 
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         try:
-            return [(r.prompt, r.metadata) for r in load_prompts(path, input_key=input_key)]
+            records = load_prompts(path, input_key=input_key, image_key=image_key, image_required_by=image_required_by)
         except PromptDataError as exc:
             raise UsageError(f"--prompt-file {exc}") from None
+        return [(r.prompt, r.metadata, r.image) for r in records]
     if suffix == ".txt":
         try:
             text = path.read_text(encoding="utf-8")
@@ -146,11 +167,41 @@ def _load_prompt_file(path: Path, input_key: str) -> list[tuple[str, dict]]:
             raise UsageError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
         except UnicodeDecodeError as exc:
             raise UsageError(f"--prompt-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        prompts = [(line.strip(), {}) for line in text.splitlines() if line.strip()]
+        prompts: list[Prompt] = [(line.strip(), {}, None) for line in text.splitlines() if line.strip()]
         if not prompts:
             raise UsageError(f"--prompt-file {path}: no prompts (empty file)")
         return prompts
     raise UsageError(f"--prompt-file {path}: expected a .jsonl or .txt file")
+
+
+def _prompts(args: Any, family_name: str, image_input: str) -> list[Prompt]:
+    """The prompts with their conditioning images, checked against the family's
+    ``image_input`` before the model loads: ``--image`` for every prompt, else a .jsonl
+    file's rows under ``--image-key`` (read only for a family that takes an image)."""
+    image = None
+    if args.image is not None:
+        if image_input == "none":
+            raise UsageError(f"--image {args.image}: the {family_name} family takes no conditioning image (it is text-to-image/video)")
+        if not Path(args.image).is_file():
+            raise UsageError(f"--image {args.image}: no such image file")
+        image = str(Path(args.image).absolute())
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt: must not be empty")
+        prompts: list[Prompt] = [(args.prompt, {}, None)]
+    else:
+        from_rows = image is None and image_input != "none"
+        prompts = _load_prompt_file(
+            Path(args.prompt_file),
+            args.input_key,
+            image_key=args.image_key if from_rows else None,
+            image_required_by=family_name if from_rows and image_input == "required" else None,
+        )
+    if image is not None:
+        prompts = [(prompt, metadata, image) for prompt, metadata, _ in prompts]
+    elif image_input == "required" and any(row_image is None for _, _, row_image in prompts):
+        raise UsageError(f"--image: the {family_name} family is image-to-video and needs a conditioning image (give --image PATH)")
+    return prompts
 
 
 def _pipeline_default(pipeline_class: type, name: str, fallback: Any) -> Any:
@@ -181,21 +232,16 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
         raise UsageError(f"--num-inference-steps {args.num_inference_steps}: must be at least 1")
     if args.fps is not None and not (math.isfinite(args.fps) and args.fps > 0):
         raise UsageError(f"--fps {args.fps}: must be a positive number")
-    if args.prompt is not None:
-        if not args.prompt.strip():
-            raise UsageError("--prompt: must not be empty")
-        prompts = [(args.prompt, {})]
-    else:
-        prompts = _load_prompt_file(Path(args.prompt_file), args.input_key)
     if args.lora is not None and not Path(args.lora).exists():
         raise UsageError(f"--lora {args.lora}: no such file or directory")
     family_name = _resolve_family(args.hf_checkpoint, args.diffusion_model_family, registry)
+    prompts = _prompts(args, family_name, registry.get(family_name).spec.image_input)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
 
     requests = []
-    for index, (prompt, _) in enumerate(prompts):
+    for index, (prompt, _, image) in enumerate(prompts):
         request = RolloutRequest(
             prompt=prompt,
             negative_prompt=args.negative_prompt,
@@ -215,6 +261,7 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
             },
             rollout=False,
             request_id=f"generate-p{index:03d}",
+            image_path=None if image is None else (image,),
         )
         try:
             request.validate()
@@ -272,11 +319,13 @@ def _generate(args: Any, registry: Any, prog: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     gif_noted = False
-    for index, ((prompt, metadata), request) in enumerate(zip(prompts, requests)):
+    for index, ((prompt, metadata, image), request) in enumerate(zip(prompts, requests)):
         outputs = engine.generate_sync(request)
         for output in outputs:
             name = write_output(out, index, output.seed, output.generated_output, args.fps)
             row = {"prompt_index": index, "prompt": prompt, "seed": output.seed, "file": name}
+            if image is not None:
+                row["image"] = image
             if metadata:
                 row["metadata"] = metadata
             with (out / MANIFEST).open("a", encoding="utf-8") as manifest:

@@ -33,22 +33,16 @@ class ScoreItem:
     metadata: dict[str, Any]
 
 
-SCORE_DESTS = ("score_prompt", "score_images", "score_image_key", "score_json")
+SCORE_DESTS = ("score_prompt", "score_images", "score_json")
 
 
 def add_score_arguments(parser: OneLineParser) -> list[str]:
     """The command's own arguments, added to the training flags' parser (which already
-    has ``--prompt-data``, ``--input-key`` and ``--metadata-key``)."""
+    has ``--prompt-data``, ``--input-key``, ``--image-key`` and ``--metadata-key``)."""
     parser.description = __doc__.replace("``", "")
     group = parser.add_argument_group("Scoring")
     group.add_argument("--prompt", dest="score_prompt", metavar="TEXT", help="the prompt the IMAGE files were generated for")
     group.add_argument("score_images", nargs="*", metavar="IMAGE", help="image files to score (with --prompt)")
-    group.add_argument(
-        "--image-key",
-        dest="score_image_key",
-        metavar="KEY",
-        help="image key of --prompt-data rows, a path relative to the file (default: image)",
-    )
     group.add_argument("--json", dest="score_json", action="store_true", help="print one JSON object per image instead of a table")
     return list(SCORE_DESTS)
 
@@ -66,7 +60,7 @@ def items_from_config(config: Any) -> list[ScoreItem]:
         raise UsageError("give --prompt TEXT IMAGE [IMAGE ...] or --prompt-data FILE.jsonl")
     if images:
         raise UsageError("IMAGE arguments go with --prompt; with --prompt-data the rows name the images")
-    image_key = own.get("score_image_key") or "image"
+    image_key = config.image_key  # the training flag: the same rows, the same key
     path = Path(config.prompt_data)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

@@ -660,6 +660,18 @@ _TABLE: tuple[Flag, ...] = (
         differs="Added with --precompute-prompt-embeddings.",
     ),
     _f("data", "--input-key", "str", "input", "Key of the prompt text in each data row."),
+    _f(
+        "data",
+        "--image-key",
+        "str",
+        "image",
+        "Key of each --prompt-data and --eval-prompt-data row holding an image path, relative to the JSONL file's folder: "
+        "the conditioning image of an image-to-video family (every row of a family that requires one; a text-only family "
+        "never reads the key; the path must be readable where the engine runs), and the image `miles-core score` scores.",
+        metavar="KEY",
+        reference_default="(no such flag)",
+        differs="Added with image-to-video: sglang-diffusion takes the image as the request's image_path.",
+    ),
     _f("data", "--metadata-key", "str", "metadata", "Key of the per-sample metadata in each data row."),
     _hook("data", "--data-source-path", "Rollout data source class; defaults to RolloutDataSourceWithBuffer."),
     _f("data", "--disable-rollout-global-dataset", "bool", False, "Do not load the global prompt dataset; manage data yourself."),

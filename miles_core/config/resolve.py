@@ -865,6 +865,8 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
     loss = config.get("loss_type")
     registry = host.registries.loss
     needs_sde = loss in registry and getattr(registry.get(loss).spec, "needs_sde_steps", False)
+    # A loss trains on supervised rows (SFT) by its spec, whatever its name.
+    supervised = loss in registry and getattr(registry.get(loss).spec, "trains_on", None) == "supervised_rows"
     if needs_sde and config.diffusion_num_sde_steps == 0 and config.diffusion_step_strategy_path is None:
         steps = config.diffusion_num_steps
         errors.append(
@@ -903,16 +905,59 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
                 "trainable steps, so their micro-batch plans would differ); train every denoiser, or use one data-parallel "
                 "rank (sequence parallelism is fine)"
             )
-    if family is not None and not family.supports_cfg_training and loss != "sft_loss" and config.diffusion_guidance_scale > 1:
+    if family is not None and not family.supports_cfg_training and not supervised and config.diffusion_guidance_scale > 1:
         errors.append(
             f"--diffusion-guidance-scale {config.diffusion_guidance_scale}: the {family.name} family does not train "
             "with classifier-free guidance (as in the reference), so rollouts must sample without it; use "
             "--diffusion-guidance-scale 1 (its recipe does)"
         )
+    errors.extend(_image_input_errors(config, *family_image_input(config, host=host), loss, supervised=supervised))
     if config.diffusion_step_strategy_path:
         errors.extend(_dry_run_step_strategy(config))
     errors.extend(unavailable_errors(config))
     return errors
+
+
+def _image_input_errors(config: Config, image_input: str, family: str, loss: str | None, *, supervised: bool) -> list[str]:
+    """What an image-to-video family (``image_input`` not ``"none"``) cannot train with yet.
+    ``supervised``: the loss trains on supervised rows (its spec's ``trains_on``). Rows with
+    an image on sglang are refused once the rows are read
+    (:func:`~miles_core.training.run.check_engine_images`): an optional image leaves
+    text-to-video runs on sglang possible."""
+    errors: list[str] = []
+    if image_input == "none":
+        return errors
+    if image_input == "required" and supervised:
+        errors.append(
+            f"--loss-type {loss}: the {family} family is image-to-video, and SFT with a conditioning image is not "
+            "implemented (each row would need its first frame as the condition); train it with an RL loss"
+        )
+    if image_input == "required" and config.rollout_engine == "sglang":
+        errors.append(
+            f"--rollout-engine sglang: the {family} family is image-to-video, and sglang-diffusion's image-to-video "
+            "denoising_env is not verified against this family's; use --rollout-engine embedded or http"
+        )
+    if not supervised and config.image_key in (config.input_key, config.eval_input_key):
+        errors.append(f"--image-key {config.image_key!r}: a prompt row keeps its prompt and its image under different keys")
+    return errors
+
+
+def family_image_input(config: Any, *, host: PluginHost | None = None) -> tuple[str, str]:
+    """``(image_input, family name)`` of the configuration's model family: its registered
+    spec's (read without importing the family), or a ``--train-pipeline-config-path``
+    class's own attribute; ``("none", ...)`` when neither is known."""
+    host = host or get_host()
+    spec = registry_spec(host, "model_family", getattr(config, "model_family", None))
+    if spec is not None:
+        return spec.image_input, spec.name
+    path = getattr(config, "train_pipeline_config_path", None)
+    if path:
+        try:
+            cls = resolve_path_flag("--train-pipeline-config-path", path, "model_family")
+        except PathFlagError:
+            return "none", path
+        return getattr(cls, "image_input", "none"), getattr(cls, "__name__", path)
+    return "none", str(getattr(config, "model_family", None))
 
 
 def registry_spec(host: PluginHost, kind: str, name: str | None) -> Any:

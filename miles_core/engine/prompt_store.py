@@ -83,6 +83,19 @@ def frozen_modules(family: ModelFamily) -> dict[str, torch.nn.Module]:
     }
 
 
+def fingerprinted_modules(family: ModelFamily) -> dict[str, torch.nn.Module]:
+    """The modules :func:`encoder_fingerprint` covers: :func:`frozen_modules`, and the VAE
+    too for a family that takes a conditioning image (its ``encode`` runs the VAE on the
+    image, so a stored encoding depends on the VAE's weights)."""
+    modules = frozen_modules(family)
+    if getattr(family, "image_input", "none") != "none":
+        trainable_ids = {id(module) for module in family.components().values()}
+        for name, value in family.pipeline.components.items():
+            if "vae" in name and isinstance(value, torch.nn.Module) and id(value) not in trainable_ids:
+                modules[name] = value
+    return modules
+
+
 def tensor_bytes(modules: Iterable[torch.nn.Module]) -> int:
     """Bytes of the parameters and buffers of ``modules`` that hold memory (not meta)."""
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
@@ -174,8 +187,9 @@ def _code_digest(family: ModelFamily, modules: Iterable[torch.nn.Module]) -> dic
 def encoder_fingerprint(family: ModelFamily) -> str:
     """SHA-256 over what an encoding depends on besides its inputs, so that any change to
     it gives another fingerprint: the family class, its dtype and device type and public
-    scalar settings, every frozen module it may run (:func:`frozen_modules`: class, config,
-    weights and buffers, :func:`_module_digest`), each tokenizer's vocabulary and length
+    scalar settings, every frozen module it may run (:func:`fingerprinted_modules`: the
+    text encoders and the like, and the VAE of a family that encodes a conditioning image;
+    class, config, weights and buffers, :func:`_module_digest`), each tokenizer's vocabulary and length
     settings, and the code (:func:`_code_digest`). A family whose text encoders a store
     already freed is refused (:class:`~miles_core.errors.RunError` naming the flag)."""
     if encoders_freed(family):
@@ -183,7 +197,7 @@ def encoder_fingerprint(family: ModelFamily) -> str:
             f"{FLAG}: the text encoders of this {type(family).__name__} were freed by an earlier prompt store, "
             "so it cannot encode again; load the pipeline again"
         )
-    modules = frozen_modules(family)
+    modules = fingerprinted_modules(family)
     digest = hashlib.sha256()
     head = {"format": FORMAT, "family": f"{type(family).__module__}.{type(family).__qualname__}"}
     head.update(dtype=str(family.dtype), device=family.device.type, settings=_settings(family), code=_code_digest(family, modules.values()))

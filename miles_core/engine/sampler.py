@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles_core.conditioning_image import check_request_image
 from miles_core.errors import GenerationCancelled, RequestError
 from miles_core.family import Conditioning, GenerationParams, Latents, ModelFamily, Schedule
 from miles_core.request import RolloutOutput, RolloutRequest
@@ -90,6 +91,7 @@ def sample(
     start = time.perf_counter()
     if request.rollout_sde_type not in backends:
         raise RequestError("rollout_sde_type", f"{request.rollout_sde_type!r} is not an installed backend ({', '.join(sorted(backends))})")
+    check_request_image(family, request)
     params = family.resolve_params(request)
     schedule = family.schedule(params)
     steps = int(schedule.timesteps.shape[0])
@@ -201,8 +203,9 @@ def _denoise(
         latents = next_latents
         if k + 1 in return_steps:
             trajectory[k + 1] = latents
-    pixels = family.decode(latents, params)
-    extra = family.extra_outputs(latents, params)
+    final = family.final_latents(latents, cond, params)
+    pixels = family.decode(final, params)
+    extra = family.extra_outputs(final, params)
     outputs = []
     for i in range(batch):
         output = RolloutOutput(

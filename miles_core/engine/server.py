@@ -68,6 +68,7 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
+from miles_core.conditioning_image import check_request_image
 from miles_core.engine import ipc_wire
 from miles_core.engine.auth import bearer_middleware
 from miles_core.engine.embedded import EmbeddedEngine
@@ -400,9 +401,10 @@ async def _generate(request: web.Request) -> web.Response:
     engine.require_resident("generate")  # before the body is read; a request racing a release fails in the engine
     rollout_request = RolloutRequest.from_json(await _json_body(request, state.max_generate_body_bytes, BODY_FLAG))
     rollout_request = rollout_request.with_request_id()  # the same id in the server's and the engine's logs
-    # The family's own checks and defaults (cheap: no tensors), then the server's limits,
-    # before the request waits for the engine or allocates anything.
+    # The family's own checks and defaults (cheap: no tensors; an image is read and hashed),
+    # then the server's limits, before the request waits for the engine or allocates anything.
     assert state.limits is not None  # set with the engine
+    check_request_image(engine.family, rollout_request)
     state.limits.check(rollout_request, engine.family.resolve_params(rollout_request))
     try:
         outputs = await engine.generate(rollout_request)

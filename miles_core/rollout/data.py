@@ -3,6 +3,11 @@
 Each row is a JSON object with the prompt under ``--input-key`` (default ``input``) and
 optional metadata (an object) under ``--metadata-key`` (default ``metadata``). A bad row
 is an error that names the file and the line; nothing is skipped silently.
+
+A family that takes a conditioning image (image-to-video: its spec's ``image_input`` is
+``"optional"`` or ``"required"``) reads each row's image path under ``--image-key``
+(default ``image``), relative to the JSONL file's directory; a text-only family never
+reads that key (:func:`run_image_options`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     index: int = 0
     """Row number in the file (0-based), for tracing a sample back to its prompt."""
+    image: str | None = None
+    """The row's conditioning image (an absolute path, or as given when absolute), for an
+    image-to-video family; requests carry it as ``image_path=(image,)``."""
 
 
 def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -48,7 +56,18 @@ def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield where, row
 
 
-def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRecord]:
+def load_prompts(
+    path: str | Path,
+    *,
+    input_key: str = "input",
+    metadata_key: str = "metadata",
+    image_key: str | None = None,
+    image_required_by: str | None = None,
+) -> list[PromptRecord]:
+    """The prompt rows of a JSONL file. With ``image_key``, a row's value under it is its
+    conditioning image: a non-empty string naming an existing file, relative to the
+    file's directory. With ``image_required_by`` (the family's name), every row must
+    carry one. Every violation is a :class:`PromptDataError` naming FILE:LINE."""
     path = Path(path)
     records: list[PromptRecord] = []
     for where, row in jsonl_rows(path):
@@ -62,10 +81,46 @@ def load_prompts(path: str | Path, *, input_key: str = "input", metadata_key: st
             metadata = {}
         if not isinstance(metadata, dict):
             raise PromptDataError(f"{where}: {metadata_key!r} must be a JSON object, got {type(metadata).__name__}")
-        records.append(PromptRecord(prompt, metadata, len(records)))
+        image = None
+        if image_key is not None:
+            image = _row_image(path, where, row, image_key, image_required_by)
+        records.append(PromptRecord(prompt, metadata, len(records), image))
     if not records:
         raise PromptDataError(f"{path}: no prompts (empty file)")
     return records
+
+
+def _row_image(path: Path, where: str, row: dict[str, Any], key: str, required_by: str | None) -> str | None:
+    """A row's conditioning image as an absolute path (servers a run starts need not share
+    its working directory), checked to exist now rather than at the first request."""
+    if key not in row:
+        if required_by is not None:
+            raise PromptDataError(
+                f"{where}: no {key!r} key: the {required_by} family is image-to-video (set --image-key to the image's key)"
+            )
+        return None
+    value = row[key]
+    if not isinstance(value, str) or not value.strip():
+        raise PromptDataError(f"{where}: {key!r} must be a non-empty string (an image path), got {value!r}")
+    image = Path(value)
+    if not image.is_absolute():
+        image = path.parent / image
+    image = image.absolute()
+    if not image.is_file():
+        raise PromptDataError(f"{where}: {key!r}: no such image file {image}")
+    return str(image)
+
+
+def run_image_options(config: Any) -> dict[str, Any]:
+    """:func:`load_prompts`' image keywords for a run's prompt files: none for a text-only
+    family (``--image-key`` is not read), ``image_key`` for one that takes an image, and
+    ``image_required_by`` too for one that needs it."""
+    from miles_core.config.resolve import family_image_input
+
+    mode, name = family_image_input(config)
+    if mode == "none":
+        return {}
+    return {"image_key": getattr(config, "image_key", "image"), "image_required_by": name if mode == "required" else None}
 
 
 @runtime_checkable

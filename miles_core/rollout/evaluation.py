@@ -54,6 +54,7 @@ def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutR
             fps=config.diffusion_fps,
             rollout=False,
             extra_sampling_params=extra_sampling_params(config),
+            image_path=None if record.image is None else (record.image,),
         )
         for j, record in enumerate(records)
     ]
@@ -73,6 +74,7 @@ async def eval_samples(config: Any, engine: Any, records: Sequence[PromptRecord]
             seed=output.seed,
             sde_step_indices=(),
             output=output,
+            image=record.image,
         )
         for j, (record, group) in enumerate(zip(records, outputs))
         for i, output in enumerate(group)

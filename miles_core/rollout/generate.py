@@ -69,7 +69,10 @@ class RolloutSettings:
             values["diffusion_sde_type"] = config.sde_step_backend_path
         return cls(**values, extra_sampling_params=extra_sampling_params(config))
 
-    def request(self, prompt: str, microgroup: Microgroup, sde_steps: Sequence[int], return_steps: Sequence[int]) -> RolloutRequest:
+    def request(
+        self, prompt: str, microgroup: Microgroup, sde_steps: Sequence[int], return_steps: Sequence[int], *, image: str | None = None
+    ) -> RolloutRequest:
+        """One microgroup's request; ``image``: the prompt row's conditioning image."""
         frames = self.diffusion_output_num_frames
         return RolloutRequest(
             prompt=prompt,
@@ -93,6 +96,7 @@ class RolloutSettings:
             rollout_sde_step_indices=tuple(sde_steps),
             rollout_return_step_indices=tuple(return_steps),
             extra_sampling_params=dict(self.extra_sampling_params),
+            image_path=None if image is None else (image,),
         )
 
 
@@ -117,7 +121,7 @@ async def generate_rollout(
 
     async def run(position: int, record: PromptRecord, microgroup: Microgroup) -> None:
         selection = select_steps(settings, seed=microgroup.seed, epoch=epoch, strategy=strategy, rollout_id=rollout_id)
-        request = settings.request(record.prompt, microgroup, selection.sde_steps, selection.return_steps)
+        request = settings.request(record.prompt, microgroup, selection.sde_steps, selection.return_steps, image=record.image)
         async with limit:
             outputs = await generate(engine, request)
         if len(outputs) != microgroup.size:
@@ -135,6 +139,7 @@ async def generate_rollout(
                 seed=output.seed,
                 sde_step_indices=selection.sde_steps,
                 output=output,
+                image=record.image,
             )
             groups[position][microgroup.offset + i] = sample
             samples.append(sample)

@@ -34,6 +34,9 @@ class Sample:
     """Each reward that scored it (by its metric name: a registered reward, or
     ``custom_rm``) -> whether that reward failed for it; what ``<reward>_failed`` counts,
     kept in rollout dumps so a replay reports the same."""
+    image: str | None = None
+    """The conditioning image its request carried (its prompt row's, for an
+    image-to-video family), for rewards and reports; None for a text prompt."""
     remove_sample: bool = False
     """Set by a per-sample filter: kept for advantage normalisation, masked in the loss.
     Also set for a sample whose reward failed (which is *not* kept for normalisation)."""

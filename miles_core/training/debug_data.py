@@ -75,6 +75,7 @@ def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample],
                 "reward_failed": bool(getattr(s, "reward_failed", False)),
                 "reward_failures": dict(getattr(s, "reward_failures", None) or {}),
                 "remove_sample": s.remove_sample,
+                "image": getattr(s, "image", None),
             }
             for s in samples
         ],
@@ -124,6 +125,7 @@ def load_rollout_data(
                 reward_failed=bool(record.get("reward_failed", False)),
                 reward_failures={str(k): bool(v) for k, v in (record.get("reward_failures") or {}).items()},
                 remove_sample=bool(record["remove_sample"]),
+                image=record.get("image"),
             )
             for record, output in zip(records, outputs)
         ]

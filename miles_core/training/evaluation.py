@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from miles_core.request import RolloutRequest
-from miles_core.rollout.data import PromptRecord, load_prompts
+from miles_core.rollout.data import PromptRecord, load_prompts, run_image_options
 from miles_core.rollout.evaluation import EvalPrompts, eval_requests
 from miles_core.rollout.generate import diffusion_rollout
 from miles_core.rollout.hooks import check_samples, eval_hook
@@ -47,13 +47,28 @@ class EvalResult:
     """Each eval set's scored samples (what ``--custom-eval-rollout-log-function-path`` gets)."""
 
 
+def load_eval_datasets(config: Any) -> dict[str, list[PromptRecord]]:
+    """The ``--eval-prompt-data`` sets by name, their rows read as the run's prompt rows
+    are (an image-to-video family's rows carry their image, checked by
+    :func:`~miles_core.rollout.data.load_prompts`: a bad row is a one-line
+    :class:`~miles_core.errors.PromptDataError`)."""
+    pairs = list(config.eval_prompt_data or [])
+    key = config.eval_input_key or config.input_key
+    images = run_image_options(config)
+    return {
+        pairs[i]: load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key, **images) for i in range(0, len(pairs), 2)
+    }
+
+
 class Evaluator:
-    def __init__(self, config: Any, engine: Any, scorer: Any = None) -> None:
+    def __init__(self, config: Any, engine: Any, scorer: Any = None, datasets: dict[str, list[PromptRecord]] | None = None) -> None:
         """``scorer``: an evaluation scorer (``RewardScorer(config, evaluation=True)``) to
         use, or the run's training scorer, whose built reward models the evaluation scorer
         then shares. The evaluation scorer is built here, when the run starts, so an eval
         reward that cannot be built (missing weights) stops the run before its first
-        rollout, not at its first evaluation."""
+        rollout, not at its first evaluation. ``datasets``: the eval sets as
+        :func:`load_eval_datasets` loaded them (a run loads them before its engine);
+        loaded here when not given."""
         from miles_core.training.rewards import RewardScorer
 
         self.config = config
@@ -64,11 +79,7 @@ class Evaluator:
             # A reward on a Ray worker (--use-ray) evaluates there too, with the same models.
             sibling = getattr(self.training_scorer, "evaluation_scorer", None)
             self.scorer = sibling() if sibling is not None else RewardScorer(config, evaluation=True, share=self.training_scorer)
-        pairs = list(config.eval_prompt_data or [])
-        key = config.eval_input_key or config.input_key
-        self.datasets: dict[str, list[PromptRecord]] = {
-            pairs[i]: load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key) for i in range(0, len(pairs), 2)
-        }
+        self.datasets: dict[str, list[PromptRecord]] = load_eval_datasets(config) if datasets is None else datasets
         self.first: EvalResult | None = None
         self.hook = eval_hook(config)  # None: the built-in evaluation
 

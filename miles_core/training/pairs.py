@@ -126,7 +126,8 @@ def build_pairs(config: Any, samples: Sequence[Sample], advantages: torch.Tensor
 
 def micro_batches(pairs: Sequence[TrainPair], config: Any) -> list[list[TrainPair]]:
     """Cut one optimizer step's pairs into micro-batches, never mixing pairs whose
-    denoiser, generation parameters or latent shapes differ (they cannot share a forward)."""
+    denoiser, generation parameters, latent shapes or conditioning tensors' names and
+    shapes differ (they cannot share a forward)."""
     if config.micro_batch_size_sample is not None:
         return _tiles(pairs, config.micro_batch_size_sample, config.micro_batch_size_tstep, config.diffusion_train_iter_order)
     size = config.micro_batch_size
@@ -140,12 +141,34 @@ def micro_batches(pairs: Sequence[TrainPair], config: Any) -> list[list[TrainPai
 
 
 def _compatible(a: TrainPair, b: TrainPair) -> bool:
+    """Whether two pairs can share one forward: the same denoiser and parameters, and
+    latents and conditioning of the same names and shapes (a text-only pair and an
+    image-conditioned one of an image-to-video family never share a micro-batch)."""
+    return a.denoiser == b.denoiser and a.params == b.params and shares_forward(a.x, a.cond, b.x, b.cond)
+
+
+def shares_forward(
+    x_a: dict[str, torch.Tensor], cond_a: Conditioning | None, x_b: dict[str, torch.Tensor], cond_b: Conditioning | None
+) -> bool:
+    """Whether two rows' latents and conditionings have the same tensor names and shapes,
+    so that they stack into one batch (the shape part of every micro-batch rule: GRPO's
+    pairs here, DiffusionNFT's items in the trainer)."""
     return (
-        a.denoiser == b.denoiser
-        and a.params == b.params
-        and a.x.keys() == b.x.keys()
-        and all(a.x[name].shape == b.x[name].shape for name in a.x)
+        _same_shapes(x_a, x_b)
+        and _same_shapes(_cond(cond_a, "positive"), _cond(cond_b, "positive"))
+        and _same_shapes(_cond(cond_a, "negative"), _cond(cond_b, "negative"))
     )
+
+
+def _cond(cond: Conditioning | None, side: str) -> dict[str, torch.Tensor] | None:
+    # A custom expansion may leave the conditioning unset.
+    return None if cond is None else getattr(cond, side)
+
+
+def _same_shapes(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(a[name].shape == b[name].shape for name in a)
 
 
 def _tiles(pairs: Sequence[TrainPair], per_sample: int, per_step: int, order: str) -> list[list[TrainPair]]:

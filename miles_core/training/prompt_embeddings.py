@@ -61,18 +61,19 @@ def run_requests(config: Config, records: Sequence[Any], *, supervised: bool) ->
         from miles_core.training.sft import sft_request
 
         return [sft_request(config, row.prompt) for row in records]
-    from miles_core.rollout.data import load_prompts
+    from miles_core.rollout.data import load_prompts, run_image_options
     from miles_core.rollout.evaluation import eval_requests
     from miles_core.rollout.generate import RolloutSettings
     from miles_core.rollout.seeds import Microgroup
 
     settings = RolloutSettings.from_config(config)
     microgroup = Microgroup(group_index=0, offset=0, size=1, seed=0)
-    requests = [settings.request(record.prompt, microgroup, (), ()) for record in records]
+    requests = [settings.request(record.prompt, microgroup, (), (), image=record.image) for record in records]
     pairs = list(config.eval_prompt_data or [])
     key = config.eval_input_key or config.input_key
     for i in range(0, len(pairs), 2):
-        requests += eval_requests(config, load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key))
+        eval_records = load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key, **run_image_options(config))
+        requests += eval_requests(config, eval_records)
     return requests
 
 

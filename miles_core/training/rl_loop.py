@@ -118,7 +118,7 @@ async def rl_rollouts(run: RunContext) -> AsyncIterator[tuple[dict[str, Any], li
     plan = run.thread_plan
     on_engine_thread = isinstance(engine, EmbeddedEngine) and plan is not None and plan.shared_compute_thread
     # Builds the evaluation reward now: one that cannot be built stops the run before its first rollout.
-    evaluator = Evaluator(config, engine, rollouts.scorer) if config.eval_interval and not replay else None
+    evaluator = Evaluator(config, engine, rollouts.scorer, run.eval_datasets) if config.eval_interval and not replay else None
     # The reward-hacking guard checks every evaluation (its judge reward is built now, too).
     guard = (
         guard_for_run(

@@ -28,7 +28,7 @@ from miles_core.config.model import Config
 from miles_core.engine.base import RolloutEngine
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.engine.factory import sde_backend
-from miles_core.errors import EngineRequestError, MilesError, RunError, RunFailedError
+from miles_core.errors import ConfigError, EngineRequestError, MilesError, RunError, RunFailedError
 from miles_core.model_loading import load_family
 from miles_core.plugin_manager import loss_spec
 from miles_core.report import write_report
@@ -63,6 +63,23 @@ def number_of_rollouts(config: Config, num_rows: int, spec: LossSpec | None = No
         per_rollout = config.rollout_batch_size * (config.n_samples_per_prompt if supervised else 1)
         return math.ceil(config.num_epoch * num_rows / per_rollout)
     raise RunError("set --num-rollout (rollouts to run) or --num-epoch (passes over --prompt-data)")
+
+
+def check_engine_images(config: Config, records: list, eval_datasets: dict[str, list] | None = None) -> None:
+    """Refuse prompt rows with a conditioning image under ``--rollout-engine sglang``: its
+    image-to-video ``denoising_env`` carries no image conditioning the trainer could
+    replay (a one-line :class:`~miles_core.errors.ConfigError`). Text-only rows of a
+    family whose image is optional train on sglang as any text-to-video family's do."""
+    if config.get("rollout_engine") != "sglang":
+        return
+    sets = {"--prompt-data": records, **{f"--eval-prompt-data {name}": rows for name, rows in (eval_datasets or {}).items()}}
+    for flag, rows in sets.items():
+        row = next((r for r in rows if getattr(r, "image", None)), None)
+        if row is not None:
+            raise ConfigError(
+                f"--rollout-engine sglang: {flag} has rows with a conditioning image ({row.image}), and image-to-video "
+                "rollouts are not supported on sglang yet; use --rollout-engine embedded or http, or text-only rows"
+            )
 
 
 def _rollout_source(config: Config, records: list) -> Any:
@@ -142,9 +159,19 @@ async def prepare_run(
             frame_stride=config.sft_frame_stride,
         )
     elif config.prompt_data and not config.disable_rollout_global_dataset:
-        from miles_core.rollout.data import load_prompts
+        from miles_core.rollout.data import load_prompts, run_image_options
 
-        records = load_prompts(config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key)
+        records = load_prompts(
+            config.prompt_data, input_key=config.input_key, metadata_key=config.metadata_key, **run_image_options(config)
+        )
+    eval_datasets = None
+    if config.eval_interval and not supervised and not replay:
+        from miles_core.training.evaluation import load_eval_datasets
+
+        # Bad eval rows (an image-to-video family's rows without their image) stop the run
+        # now, before any model loads, not at its first evaluation.
+        eval_datasets = load_eval_datasets(config)
+    check_engine_images(config, records, eval_datasets)
     total = number_of_rollouts(config, len(records), spec)
     try:  # a bad schedule (min lr above lr, warmup past the decay) stops the run before any model loads
         schedule = lr_schedule_from_config(config, total * config.num_steps_per_rollout)
@@ -221,6 +248,7 @@ async def prepare_run(
         engine=engine,
         data_source=data_source,
         rows=records if supervised else [],
+        eval_datasets=eval_datasets,
         resumed=resumed is not None,
         resumed_from=None if resumed is None else resumed - 1,
         progress=Progress(enabled=progress),

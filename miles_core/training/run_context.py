@@ -41,6 +41,9 @@ class RunContext:
     """Where prompts come from (RL runs), with ``batch(rollout_id)``."""
     rows: list[Any] = field(default_factory=list)
     """The supervised rows of an SFT run."""
+    eval_datasets: dict[str, list[Any]] | None = None
+    """The ``--eval-prompt-data`` sets, loaded (and checked) before the engine was built;
+    None when the run does not evaluate (the evaluator then loads them itself)."""
     resumed: bool = False
     """Whether a checkpoint was restored."""
     resumed_from: int | None = None

@@ -48,6 +48,7 @@ from miles_core.training.pairs import (
     micro_batches,
     on_device,
     params_from_env,
+    shares_forward,
 )
 from miles_core.training.train_hooks import batch_preparer, pair_source
 
@@ -469,8 +470,9 @@ class Trainer:
             mine_count = sum(1 for item in items if item[0] in mine)
             sums: dict[str, float] = defaultdict(float)
             size = config.micro_batch_size
-            self._check_plans([[None] * len(range(0, mine_count, size))], step)
-            for chunk, noise in _nft_micro_batches(items, mine, size, generator, self.family.latent_streams):
+            groups = nft_groups(items)
+            self._check_plans([[None] * sum(len(range(0, sum(1 for item in group if item[0] in mine), size)) for group in groups)], step)
+            for chunk, noise in nft_micro_batches(groups, mine, size, generator, self.family.latent_streams):
                 sigma = torch.tensor([float(tr["sigmas"][k]) for _, k, _, tr, _ in chunk])
                 x0 = {name: torch.stack([f[name] for _, _, f, _, _ in chunk]) for name in self.family.latent_streams}
                 shape = (-1,) + (1,) * (x0[primary].ndim - 1)
@@ -781,36 +783,56 @@ class Trainer:
         return result.mean[self.family.latent_streams[0]]
 
 
-def _nft_micro_batches(
-    items: list[Any],
+def nft_groups(items: list[Any]) -> list[list[Any]]:
+    """One step's nft items ``(sample, step, final latents, trajectory, env)`` as groups
+    that can share a forward (:func:`~miles_core.training.pairs.shares_forward`, and the
+    same generation parameters): an image-to-video family's image-conditioned items never
+    batch with its text-only ones. Groups in order of first appearance, items in order."""
+    groups: list[list[Any]] = []
+    keys: list[tuple[Any, Any, Any]] = []
+    for item in items:
+        key = (item[2], conditioning_from_env(item[4]), params_from_env(item[4], int(item[3]["timesteps"].shape[0])))
+        at = next((i for i, (x, cond, params) in enumerate(keys) if params == key[2] and shares_forward(x, cond, key[0], key[1])), None)
+        if at is None:
+            groups.append([item])
+            keys.append(key)
+        else:
+            groups[at].append(item)
+    return groups
+
+
+def nft_micro_batches(
+    groups: list[list[Any]],
     mine: set[int],
     size: int,
     generator: torch.Generator,
     streams: Sequence[str],
 ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
-    """This rank's nft micro-batches of ``size`` items and their noise. The noise is drawn
-    as world size 1 draws it (one ``randn`` per stream for each ``size`` items of the
-    whole step) and each of this rank's items keeps its own rows; a micro-batch made of
-    one such draw whole (always, at world size 1) gets that draw itself."""
-    kept: list[Any] = []
-    rows: dict[str, list[torch.Tensor]] = {name: [] for name in streams}
-    for start in range(0, len(items), size):
-        chunk = items[start : start + size]
-        noise = {name: torch.randn((len(chunk), *chunk[0][2][name].shape), generator=generator) for name in streams}
-        if not kept and all(item[0] in mine for item in chunk):
-            yield chunk, noise
-            continue
-        for row, item in enumerate(chunk):
-            if item[0] not in mine:
+    """This rank's nft micro-batches of at most ``size`` items of one group
+    (:func:`nft_groups`) and their noise. The noise is drawn as world size 1 draws it
+    (one ``randn`` per stream for each ``size`` items of a group, group by group) and each
+    of this rank's items keeps its own rows; a micro-batch made of one such draw whole
+    (always, at world size 1) gets that draw itself."""
+    for items in groups:
+        kept: list[Any] = []
+        rows: dict[str, list[torch.Tensor]] = {name: [] for name in streams}
+        for start in range(0, len(items), size):
+            chunk = items[start : start + size]
+            noise = {name: torch.randn((len(chunk), *chunk[0][2][name].shape), generator=generator) for name in streams}
+            if not kept and all(item[0] in mine for item in chunk):
+                yield chunk, noise
                 continue
-            kept.append(item)
-            for name in streams:
-                rows[name].append(noise[name][row])
-            if len(kept) == size:
-                yield kept, {name: torch.stack(values) for name, values in rows.items()}
-                kept, rows = [], {name: [] for name in streams}
-    if kept:
-        yield kept, {name: torch.stack(values) for name, values in rows.items()}
+            for row, item in enumerate(chunk):
+                if item[0] not in mine:
+                    continue
+                kept.append(item)
+                for name in streams:
+                    rows[name].append(noise[name][row])
+                if len(kept) == size:
+                    yield kept, {name: torch.stack(values) for name, values in rows.items()}
+                    kept, rows = [], {name: [] for name in streams}
+        if kept:
+            yield kept, {name: torch.stack(values) for name, values in rows.items()}
 
 
 def _accumulate(sums: dict[str, float], loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:

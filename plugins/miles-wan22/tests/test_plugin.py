@@ -29,7 +29,7 @@ def _spec(host: PluginHost) -> ModelFamilySpec:
 def test_entry_point_registers_the_family_class(host: PluginHost) -> None:
     assert host.record("wan22").entry_point == "miles_wan22.plugin"
     assert host.pm.get_plugin("wan22") is plugin
-    assert host.record("wan22").registers == {"model_family": ["wan2_2", "wan2_2_ti2v"]}
+    assert host.record("wan22").registers == {"model_family": ["wan2_2", "wan2_2_ti2v", "wan2_2_i2v"]}
     assert host.registries.model_family.get("wan2_2").load() is Wan22Family
     assert issubclass(Wan22Family, ModelFamily)
     assert Wan22Family.pipeline_class == "diffusers:WanPipeline"

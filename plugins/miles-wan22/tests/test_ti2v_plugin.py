@@ -43,7 +43,7 @@ def copy(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_plugin_registers_both_wan_families() -> None:
     host = testing.load_plugin("wan22", "miles-wan22")
-    assert host.record("wan22").registers == {"model_family": ["wan2_2", "wan2_2_ti2v"]}
+    assert host.record("wan22").registers == {"model_family": ["wan2_2", "wan2_2_ti2v", "wan2_2_i2v"]}
     registration = host.registries.model_family.get("wan2_2_ti2v")
     assert registration.load() is WanTI2VFamily and WanTI2VFamily.pipeline_class == "diffusers:WanPipeline"
     spec = registration.spec
@@ -63,7 +63,7 @@ def test_the_hub_ids_are_matched_by_name_to_their_own_family() -> None:
     # ... and the more specific pattern decides; the A14B ids match wan2_2's alone.
     assert match_family(TI2V_HUB_ID, registry).name == "wan2_2_ti2v"
     assert match_family("FastVideo/FastWan2.2-TI2V-5B-Diffusers", registry).name == "wan2_2_ti2v"
-    for name in (A14B_HUB_ID, "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "org/my-wan-2.2-finetune"):
+    for name in (A14B_HUB_ID, "org/my-wan-2.2-finetune"):
         assert match_family(name, registry).name == "wan2_2", name
 
 

@@ -1,5 +1,6 @@
 """Which ``WanPipeline`` directories are which Wan 2.2 model (the ``checkpoint_check`` of
-the ``wan2_2`` and ``wan2_2_ti2v`` families).
+the ``wan2_2`` and ``wan2_2_ti2v`` families), and which ``WanImageToVideoPipeline``
+directories are Wan 2.2 I2V-A14B (``wan2_2_i2v``: :func:`i2v_wan`).
 
 ``WanPipeline`` runs three kinds of checkpoint: Wan 2.1 (one transformer), Wan 2.2
 TI2V-5B (one transformer, ``expand_timesteps``: per-token timesteps) and Wan 2.2 A14B
@@ -59,4 +60,44 @@ def ti2v_wan(directory: Path, model_index: Mapping[str, Any]) -> str | None:
     channels, z_dim = transformer.get("in_channels"), vae.get("z_dim")
     if not isinstance(channels, int) or channels != z_dim:
         return f"the transformer's in_channels {channels!r} differ from the VAE's z_dim {z_dim!r} (TI2V-5B denoises the VAE's latents)"
+    return None
+
+
+def i2v_wan(directory: Path, model_index: Mapping[str, Any]) -> str | None:
+    """None for a Wan 2.2 I2V-A14B pipeline (two experts switched at ``boundary_ratio``, no
+    CLIP image encoder, experts reading ``2 x z_dim + 4`` channels: the latents, the
+    first-frame mask and the image latents), else why the directory is not one.
+    ``WanImageToVideoPipeline`` also runs Wan 2.1 I2V (one transformer with CLIP image
+    embeddings) and, with ``expand_timesteps``, TI2V-5B's image mode."""
+    reason = two_expert_wan(directory, model_index)
+    if reason is not None:
+        return reason
+    experts = {name: component_config(directory, name) or {} for name in EXPERTS}
+    return i2v_configs_problem(
+        image_encoder=_listed(model_index, "image_encoder"), experts=experts, vae=component_config(directory, "vae") or {}
+    )
+
+
+def i2v_configs_problem(*, image_encoder: bool, experts: Mapping[str, Mapping[str, Any]], vae: Mapping[str, Any]) -> str | None:
+    """None when the configs are Wan 2.2 I2V-A14B's image input, else why not: no CLIP
+    image encoder, no expert with an ``image_dim`` (both are Wan 2.1 I2V's CLIP image
+    embeddings) and every expert reading ``2 x z_dim + mask`` channels (the latents, the
+    first-frame mask of the VAE's ``scale_factor_temporal`` channels, the image latents)
+    and predicting ``z_dim``. The one statement of these rules: :func:`i2v_wan` passes the
+    JSON configs of a directory, :class:`~miles_wan22.i2v.WanI2VFamily` a loaded pipeline's
+    (``experts`` maps each expert present to its config)."""
+    if image_encoder:
+        return "it lists an image_encoder (CLIP image embeddings: Wan 2.1 I2V; Wan 2.2 I2V-A14B conditions on VAE latents only)"
+    for name, config in experts.items():
+        if config.get("image_dim") is not None:
+            return f"the {name}'s image_dim is {config['image_dim']!r} (CLIP image embeddings: Wan 2.1 I2V)"
+    # The mask has WanImageToVideoPipeline's vae_scale_factor_temporal channels.
+    z_dim, mask = vae.get("z_dim"), vae.get("scale_factor_temporal", 4)
+    for name, config in experts.items():
+        channels, out = config.get("in_channels"), config.get("out_channels")
+        if not isinstance(z_dim, int) or not isinstance(mask, int) or channels != 2 * z_dim + mask or out != z_dim:
+            return (
+                f"the {name}'s in_channels {channels!r} / out_channels {out!r} are not 2 x z_dim + {mask} / z_dim for the "
+                f"VAE's z_dim {z_dim!r} (an I2V expert reads the latents, a {mask}-channel mask and the image latents)"
+            )
     return None

@@ -67,6 +67,8 @@ class Wan22Family(WanFamilyBase):
     :class:`~miles_wan22.wan_base.WanFamilyBase`'s."""
 
     family_name = "wan2_2"
+    _other_models: str = "Wan 2.2 TI2V-5B is family wan2_2_ti2v; Wan 2.1 is not supported"
+    """What a refused pipeline may be instead, for the two-expert check's message."""
 
     def __init__(self, pipeline: Any, *, device: Any = "cpu", dtype: Any = None) -> None:
         super().__init__(pipeline, device=device, dtype=dtype)
@@ -74,13 +76,15 @@ class Wan22Family(WanFamilyBase):
         missing = [name for name in EXPERTS if getattr(pipeline, name, None) is None]
         if config.get("boundary_ratio") is None or missing:
             raise ValueError(
-                "the wan2_2 family needs a two-expert WanPipeline (boundary_ratio set, transformer and transformer_2 "
-                f"present); this one has boundary_ratio={config.get('boundary_ratio')!r}"
+                f"the {self.family_name} family needs a two-expert {type(pipeline).__name__} (boundary_ratio set, "
+                f"transformer and transformer_2 present); this one has boundary_ratio={config.get('boundary_ratio')!r}"
                 + (f" and no {', '.join(missing)}" if missing else "")
-                + " (Wan 2.2 TI2V-5B is family wan2_2_ti2v; Wan 2.1 is not supported)"
+                + f" ({self._other_models})"
             )
         if config.get("expand_timesteps"):
-            raise ValueError("the wan2_2 family does not support expand_timesteps pipelines (Wan 2.2 TI2V-5B: family wan2_2_ti2v)")
+            raise ValueError(
+                f"the {self.family_name} family does not support expand_timesteps pipelines (Wan 2.2 TI2V-5B: family wan2_2_ti2v)"
+            )
 
     # -- instance side: the prediction contract ---------------------------------------
 

@@ -12,6 +12,9 @@ from miles_core.api import ModelFamilySpec, hookimpl
 
 FAMILY_NAME = "wan2_2"
 TI2V_FAMILY_NAME = "wan2_2_ti2v"
+I2V_FAMILY_NAME = "wan2_2_i2v"
+EXPERT_FAMILIES = (FAMILY_NAME, I2V_FAMILY_NAME)
+"""The two-expert families: the rules on the experts they train are the same."""
 
 EXPERTS = ("transformer", "transformer_2")
 
@@ -27,8 +30,9 @@ GUIDANCE_SCALE_2_REQUIRED = (
 
 @hookimpl
 def miles_register_model_families() -> list[ModelFamilySpec]:
-    """The ``wan2_2`` family (A14B: two experts split by timestep) and the ``wan2_2_ti2v``
-    family (TI2V-5B: one transformer, per-token timesteps)."""
+    """The ``wan2_2`` family (A14B: two experts split by timestep), the ``wan2_2_ti2v``
+    family (TI2V-5B: one transformer, per-token timesteps) and the ``wan2_2_i2v`` family
+    (I2V-A14B: image-to-video with two experts)."""
     return [
         ModelFamilySpec(
             name=FAMILY_NAME,
@@ -70,6 +74,31 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             rollout_microgroup_size=8,
             # One transformer: WanPipeline refuses guidance_scale_2 without a boundary_ratio.
             generation_options=("num_frames", "fps"),
+            # Text- or image-to-video (the family class's image_input; they must agree).
+            image_input="optional",
+        ),
+        ModelFamilySpec(
+            name=I2V_FAMILY_NAME,
+            ref="miles_wan22.i2v:WanI2VFamily",
+            description=(
+                "Wan 2.2 I2V-A14B image-to-video (diffusers WanImageToVideoPipeline): wan2_2's two experts "
+                "switched at boundary_ratio, each reading the latents with the image's first-frame mask "
+                "and VAE latents concatenated behind them"
+            ),
+            # More specific than wan2_2's "wan2.2" (family_match prefers the pattern that
+            # contains the other): Wan-AI/Wan2.2-I2V-A14B-Diffusers is this family's.
+            checkpoint_patterns=("wan2.2-i2v", "wan-2.2-i2v", "i2v-a14b"),
+            # WanImageToVideoPipeline also runs Wan 2.1 I2V (CLIP image embeddings) and
+            # TI2V-5B's image mode: the check tells I2V-A14B apart.
+            pipeline_classes=("WanImageToVideoPipeline",),
+            checkpoint_check="miles_wan22.checkpoint:i2v_wan",
+            trainable_components=("transformer", "transformer_2"),
+            lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+            # No RL recipe is published for I2V-A14B: wan2_2's (the reference's Wan 2.2 values).
+            n_samples_per_prompt=16,
+            rollout_microgroup_size=8,
+            generation_options=("num_frames", "fps", "guidance_scale_2"),
+            image_input="required",
         ),
     ]
 
@@ -84,8 +113,9 @@ def sft_needs_both_experts(value: str) -> str:
 
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
-    """Wan 2.2's rules on the experts ``--update-weight-target-module`` trains (the core
-    checks that it names modules the family has).
+    """Wan 2.2's rules on the experts ``--update-weight-target-module`` trains, for both
+    two-expert families (``wan2_2`` and ``wan2_2_i2v``; the core checks that it names
+    modules the family has).
 
     ``--diffusion-guidance-scale-2`` is required when the low-noise expert trains on
     rollouts (the reference's rule; SFT samples nothing); otherwise an unset value is
@@ -93,7 +123,7 @@ def miles_validate_config(config: Any) -> list[str]:
     policy losses (the trainer leaves the other expert's steps out); SFT would regress rows
     of the frozen expert, so it trains both.
     """
-    if getattr(config, "model_family", None) != FAMILY_NAME:
+    if getattr(config, "model_family", None) not in EXPERT_FAMILIES:
         return []
     targets = str(getattr(config, "update_weight_target_module", None) or ",".join(EXPERTS))
     trained = {name.strip() for name in targets.split(",") if name.strip()}

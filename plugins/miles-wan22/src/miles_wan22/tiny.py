@@ -1,5 +1,6 @@
 """Tiny, randomly initialised Wan 2.2 pipelines (real diffusers classes): the two-expert
-A14B layout (:func:`build`) and the one-transformer TI2V-5B layout (:func:`build_ti2v`).
+A14B layout (:func:`build`), the one-transformer TI2V-5B layout (:func:`build_ti2v`) and
+the two-expert image-to-video I2V-A14B layout (:func:`build_i2v`).
 
 Heavy module (torch, diffusers, transformers): import it only when building.
 Tiny configurations of the real classes (docs/guide.md, "Tiny pipelines"); the saved directory is well under 1 MB and
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
 from miles_core.api import mark_tiny, t5_tokenizer
@@ -30,21 +31,26 @@ TI2V_LATENT_CHANNELS = 48
 """Wan 2.2's own VAE (TI2V-5B): ``z_dim`` 48, the transformer's in/out channels."""
 TI2V_FLOW_SHIFT = 5.0
 """Wan's published TI2V-5B sampling shift (``sample_shift``)."""
+I2V_BOUNDARY_RATIO = 0.9
+"""Wan 2.2 I2V-A14B's published expert boundary (``boundary``): timesteps >= 900 go to ``transformer``."""
+I2V_MASK_CHANNELS = 4
+"""The first-frame mask's channels in front of the image latents: the VAE's temporal factor."""
 
 T = TypeVar("T")
 
 
-def _transformer(channels: int = LATENT_CHANNELS, rope_max_seq_len: int = 32) -> WanTransformer3DModel:
+def _transformer(channels: int = LATENT_CHANNELS, rope_max_seq_len: int = 32, out_channels: int | None = None) -> WanTransformer3DModel:
     """One A14B expert (both share this config and differ only in their weights), or, with
     ``TI2V_LATENT_CHANNELS`` and a RoPE grid of 64 positions of 32 px (which reaches
     WanPipeline's default 480x832 and 81 frames, so the family's defaults resolve), TI2V-5B's
-    transformer layout: two small layers, 1x2x2 patches."""
+    transformer layout, or (``out_channels`` set) an I2V-A14B expert, which reads the noisy
+    latents with the image condition behind them: two small layers, 1x2x2 patches."""
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=8,
         in_channels=channels,
-        out_channels=channels,
+        out_channels=channels if out_channels is None else out_channels,
         text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=32,
@@ -163,4 +169,34 @@ def build_ti2v(out_dir: str | Path, *, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(out)
     mark_tiny(out, family="wan22_ti2v")  # commands load it without the hub libraries' notices
+    return out
+
+
+def build_i2v(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2 I2V-A14B-like pipeline (``WanImageToVideoPipeline`` with
+    ``boundary_ratio``, two experts reading ``2 x z_dim + 4`` channels, no CLIP image encoder)
+    to ``out_dir``; the same ``seed`` gives identical weights. The text encoder, VAE and
+    experts' sizes are :func:`build`'s."""
+    out = Path(out_dir)
+    tokenizer = t5_tokenizer(model_max_length=512)
+    channels = 2 * LATENT_CHANNELS + I2V_MASK_CHANNELS
+
+    def expert() -> WanTransformer3DModel:
+        return _transformer(channels, out_channels=LATENT_CHANNELS)
+
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        vae=_seeded(seed, 1, _vae),
+        # Shift 3 (as build's, not I2V-A14B's published 5): 3 steps are then 999, 857, 600,
+        # so a tiny run's two SDE steps reach both experts across the 900 boundary.
+        scheduler=_scheduler(),
+        image_processor=None,
+        image_encoder=None,
+        transformer=_seeded(seed, 2, expert),
+        transformer_2=_seeded(seed, 3, expert),
+        boundary_ratio=I2V_BOUNDARY_RATIO,
+    )
+    pipe.save_pretrained(out)
+    mark_tiny(out, family="wan22_i2v")  # commands load it without the hub libraries' notices
     return out

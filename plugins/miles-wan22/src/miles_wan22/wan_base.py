@@ -1,13 +1,17 @@
-"""What every Wan family of this plugin shares: one ``WanPipeline``, read the same way.
+"""What every Wan family of this plugin shares: diffusers' Wan pipelines, read the same way.
 
 diffusers' ``WanPipeline`` runs Wan 2.2 A14B (two experts, :mod:`miles_wan22.family`)
-and Wan 2.2 TI2V-5B (one transformer with per-token timesteps, :mod:`miles_wan22.ti2v`)
-with the same text encoder call, the same latent layout ``[B, C, F, H, W]`` (the VAE's
-``z_dim`` channels, ``(F - 1) / scale_factor_temporal + 1`` latent frames,
-``scale_factor_spatial`` pixels per latent), the same scheduler use and the same VAE
-normalisation (``latents_mean`` / ``latents_std``). :class:`WanFamilyBase` holds that
-part once; the subclasses add what differs (the trainable components, how a timestep
-reaches the transformer, which sampling options a request may carry, the LoRA layout).
+and Wan 2.2 TI2V-5B (one transformer with per-token timesteps, :mod:`miles_wan22.ti2v`,
+whose image mode follows ``WanImageToVideoPipeline``'s ``expand_timesteps`` path on the
+same pipeline); ``WanImageToVideoPipeline`` runs Wan 2.2 I2V-A14B (the two experts with
+an image condition, :mod:`miles_wan22.i2v`). They share the text encoder
+call, the latent layout ``[B, C, F, H, W]`` (the VAE's ``z_dim`` channels,
+``(F - 1) / scale_factor_temporal + 1`` latent frames, ``scale_factor_spatial`` pixels
+per latent), the scheduler use and the VAE normalisation (``latents_mean`` /
+``latents_std``), and the image-to-video families prepare the conditioning image and
+encode it the same way. :class:`WanFamilyBase` holds that part once; the subclasses add
+what differs (the trainable components, how a timestep and the image condition reach the
+transformer, which sampling options a request may carry, the LoRA layout).
 
 Import-light like :mod:`miles_core.family`: torch and diffusers are imported only
 inside the methods that need them.
@@ -46,6 +50,10 @@ WAN_DEFAULT_NUM_FRAMES = 81
 WAN_MAX_SEQUENCE_LENGTH = 512
 """WanPipeline.__call__'s ``max_sequence_length`` default (UMT5 prompt tokens)."""
 MAX_SEQUENCE_LENGTH = "max_sequence_length"
+IMAGE_LATENTS = "image_latents"
+"""The key of an image-to-video family's image condition in ``Conditioning.positive``
+(``wan2_2_i2v``'s mask and image latents, ``wan2_2_ti2v``'s image frame). It reaches the
+trainer with the text embeddings; it is not a transformer kwarg: ``predict`` takes it out."""
 
 
 class WanFamilyBase(ModelFamily):
@@ -123,7 +131,7 @@ class WanFamilyBase(ModelFamily):
         if cfg and negative_prompt is None:
             negative_prompt = self.default_negative_prompt
         with torch.no_grad():  # frozen text encoder; the conditioning is reused as data
-            embeds, neg_embeds = self.pipeline.encode_prompt(
+            embeds, neg_embeds = self._encode_prompt(
                 prompt=prompt,
                 negative_prompt=negative_prompt if cfg else None,
                 do_classifier_free_guidance=cfg,
@@ -135,6 +143,12 @@ class WanFamilyBase(ModelFamily):
         positive = {"encoder_hidden_states": embeds.to(self.device, self.dtype)}
         negative = {"encoder_hidden_states": neg_embeds.to(self.device, self.dtype)} if cfg else None
         return Conditioning(positive, negative)
+
+    def _encode_prompt(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(prompt_embeds, negative_prompt_embeds)`` as the pipeline's ``encode_prompt``
+        returns them for ``kwargs``; a family whose pipeline class cannot run its own
+        (``WanImageToVideoPipeline`` without ftfy) encodes the same way here."""
+        return self.pipeline.encode_prompt(**kwargs)
 
     def _latent_shape(self, params: GenerationParams) -> tuple[int, int, int, int]:
         pipe = self.pipeline
@@ -229,10 +243,30 @@ class WanFamilyBase(ModelFamily):
             x = x.unsqueeze(2)
         if x.ndim != 5:
             raise ValueError(f"Wan encodes [B, C, F, H, W] or [B, C, H, W] pixels, got shape {tuple(pixels.shape)}")
-        # The distribution's mean: SFT targets are data, not a random draw per epoch.
-        z = vae.encode(x * 2 - 1).latent_dist.mean
+        return {"latents": self._normalised_latent_mean(x * 2 - 1).to(self.dtype)}
+
+    def _normalised_latent_mean(self, video: torch.Tensor) -> torch.Tensor:
+        """A ``[B, 3, F, H, W]`` video in [-1, 1] to the VAE posterior's mean, normalised
+        with ``latents_mean`` / ``latents_std``, in fp32: SFT's targets (data, not a random
+        draw per epoch) and the image condition of image-to-video, which
+        ``WanImageToVideoPipeline.prepare_latents`` encodes the same way (``argmax``)."""
+        import torch
+
+        vae = self.pipeline.vae
+        z = vae.encode(video.to(self.device, vae.dtype)).latent_dist.mean.to(torch.float32)
         mean, inv_std = self._latent_stats(z)
-        return {"latents": ((z - mean) * inv_std).to(self.dtype)}
+        return (z - mean) * inv_std
+
+    def _condition_pixels(self, params: GenerationParams) -> torch.Tensor:
+        """The request's conditioning image as ``WanImageToVideoPipeline.__call__``
+        prepares it: resized to the request's ``height x width`` and scaled to [-1, 1] by
+        the pipeline's own ``video_processor``, ``[1, 3, H, W]`` in fp32."""
+        import torch
+
+        if params.image is None:
+            raise ValueError(f"the {self.family_name} family needs the request's conditioning image here; it has none")
+        pixels = self.pipeline.video_processor.preprocess(params.image.load(), height=params.height, width=params.width)
+        return pixels.to(self.device, torch.float32)
 
     # -- LoRA -----------------------------------------------------------------------------
 
