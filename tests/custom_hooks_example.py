@@ -195,3 +195,16 @@ class MirroredSD3(SD3Family):
 
 class NotAFamilyOfOurs:
     """Not a ModelFamily: refused by the path check."""
+
+
+async def flag_count_eval(config: Any, rollout_id: int, engine: Any, data_source: Any, *, evaluation: bool) -> list[Sample]:
+    """Samples made by hand, ``--n-samples-per-eval-prompt`` per prompt whatever the set's own count."""
+    n = config.n_samples_per_eval_prompt
+    rows = data_source.batch(rollout_id)
+    return [
+        Sample(
+            prompt=r.prompt, metadata={}, rollout_id=rollout_id, group_index=j, index_in_group=i, seed=i, sde_step_indices=(), output=None
+        )
+        for j, r in enumerate(rows)
+        for i in range(n)
+    ]

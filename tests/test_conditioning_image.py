@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -518,3 +519,43 @@ def test_nft_micro_batches_never_mix_shapes_or_conditionings():
         2,
         1,
     ]
+
+
+@pytest.mark.exercises("--eval-config", "--rollout-engine")
+def test_eval_config_sets_with_images_are_named_by_their_file_on_sglang(tiny_sd3, tmp_path, images):
+    from miles_core.errors import ConfigError
+
+    evals = _rows(tmp_path / "eval.jsonl", {"input": "one", "image": str(images["b"])})
+    config_file = tmp_path / "eval.yaml"
+    config_file.write_text(f"eval:\n  datasets:\n    - name: held\n      path: {evals}\n", encoding="utf-8")
+    text_rows = tiny_train_args(tiny_sd3, tmp_path / "text")
+    args = [*text_rows, *OPTIONAL, "--eval-config", str(config_file), "--eval-interval", "1"]
+    with pytest.raises(
+        ConfigError,
+        match=rf"^--rollout-engine sglang: --eval-config {re.escape(str(config_file))} dataset held has rows with a conditioning image",
+    ):
+        _prepare(resolve_config([*args, "--rollout-engine", "sglang"]))
+    # Control: the same set on the embedded engine reaches the engine.
+    with pytest.raises(AssertionError, match="the engine was built before the rows were checked"):
+        _prepare(resolve_config(args))
+
+
+@pytest.mark.exercises("--eval-config", "--image-key")
+def test_an_eval_config_set_whose_input_key_is_the_image_key_is_refused(tiny_sd3, tmp_path):
+    config_file = tmp_path / "eval.yaml"
+
+    def image_errors(input_key: str, *extra: str) -> list[str]:
+        config_file.write_text(
+            f"eval:\n  datasets:\n    - name: held\n      path: held.jsonl\n      input_key: {input_key}\n", encoding="utf-8"
+        )
+        config = _config(tiny_sd3, *extra, "--eval-config", str(config_file))
+        return [e for e in training_errors(config) if "image" in e]
+
+    (error,) = image_errors("image", *OPTIONAL)
+    assert error == (
+        f"--eval-config {config_file}: dataset 'held': --image-key 'image' is also its input_key: "
+        "a prompt row keeps its prompt and its image under different keys"
+    )
+    # Controls: another input key; a text-only family never reads the image key.
+    assert image_errors("caption", *OPTIONAL) == []
+    assert image_errors("image") == []

@@ -186,7 +186,7 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
         ),
         (["--colocate-reward"], "--colocate-reward requires --colocate"),
         (["--train-only", "--debug-rollout-only"], "--train-only and --debug-rollout-only are mutually exclusive"),
-        (["--eval-interval", "2"], "--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH)"),
+        (["--eval-interval", "2"], "--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config FILE)"),
         (["--use-ema"], "--use-ema needs a consumer: --ref-mode ema, --ema-rollout-policy ema, or --loss-type nft"),
         (["--ref-mode", "lora_base"], "--ref-mode lora_base requires --use-lora (the reference is the model with LoRA disabled)"),
         (["--loss-type", "custom_loss"], "--loss-type custom_loss requires --custom-loss-function-path"),
@@ -439,18 +439,6 @@ def test_training_only_rules_warn_in_config_and_list_a_fix():
     result = run_cli("config", *SD35, "--rollout-batch-size", "2")
     assert result.returncode == 0
     assert "warning: a training run would stop here: --loss-type policy_loss trains on SDE steps" in result.stderr
-
-
-def test_eval_config_is_refused_for_training_with_the_alternative():
-    # An unavailable flag (the generic tests in test_flag_audit.py walk them all); this one
-    # also satisfies --eval-interval's need for a dataset, so the refusal is the only error.
-    from miles_core.config.resolve import training_errors
-
-    c = resolve(*SD35, "--rollout-batch-size", "2", "--diffusion-num-sde-steps", "2", "--eval-config", "evals.yaml", "--eval-interval", "1")
-    assert training_errors(c) == [
-        "--eval-config evals.yaml: OmegaConf evaluation configs are not supported in this version; "
-        "give the datasets as --eval-prompt-data NAME PATH [NAME PATH ...]"
-    ]
 
 
 @pytest.mark.parametrize(

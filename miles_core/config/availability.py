@@ -133,7 +133,14 @@ _LOSS_ONLY: dict[str, tuple[str, ...]] = {
 _SUPERVISED_ONLY = ("sft_image_key", "sft_video_key", "sft_audio_key", "sft_frame_stride")
 
 
-_EVAL_SETTINGS = ("eval_prompt_data", "eval_input_key", "n_samples_per_eval_prompt", "diffusion_eval_num_steps", "skip_eval_before_train")
+_EVAL_SETTINGS = (
+    "eval_prompt_data",
+    "eval_config",
+    "eval_input_key",
+    "n_samples_per_eval_prompt",
+    "diffusion_eval_num_steps",
+    "skip_eval_before_train",
+)
 
 
 def loss_is(config: Config, name: str) -> bool:

@@ -792,7 +792,11 @@ _TABLE: tuple[Flag, ...] = (
         "--eval-config",
         "str",
         None,
-        "OmegaConf YAML/JSON eval configuration (in the reference it overrides --eval-prompt-data).",
+        "OmegaConf YAML/JSON eval configuration; overrides --eval-prompt-data (set both: a warning says so). Format: "
+        "eval: {defaults: {...}, datasets: [{name, path, ...}]}; a dataset may set n_samples_per_eval_prompt, input_key, "
+        "image_key, metadata_key, rm_type (its rows' reward), metadata_overrides (merged into every row's metadata) and "
+        "diffusion_eval_num_steps; a dataset's value wins over eval.defaults, which wins over the flag. A relative path "
+        'resolves against the file\'s folder. Metrics: eval/<name>/...; see docs/guide.md, "Evaluation config file".',
     ),
     _hook("evaluation", "--eval-function-path", "Eval rollout function; defaults to --rollout-function-path."),
     _f("evaluation", "--eval-input-key", "str", None, "Prompt key in eval data rows; defaults to --input-key."),
@@ -1401,8 +1405,6 @@ UNAVAILABLE: dict[str, str] = {
     "--use-miles-dashboard": "the miles dashboard is a separate product that miles-core does not ship; "
     "use --use-wandb (offline mode works without a network) and metrics.jsonl",
     "--miles-dashboard-workspace": "the miles dashboard is a separate product that miles-core does not ship",
-    "--eval-config": "OmegaConf evaluation configs are not supported in this version; give the datasets as "
-    "--eval-prompt-data NAME PATH [NAME PATH ...]",
 }
 """Flags accepted for compatibility whose feature is not in this version: flag -> why.
 A value other than the default is an error for ``train`` and a warning for ``config``."""

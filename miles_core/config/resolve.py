@@ -483,6 +483,10 @@ class _Resolver:
         if gpus is None:
             registry = self.host.registries.reward
             named = [v("rm_type"), v("eval_rm_type"), *(v("reward_weights") or {}), *(v("eval_reward_weights") or {})]
+            if v("eval_config"):  # a dataset's rm_type scores its rows
+                from miles_core.config.eval_config import eval_config_rewards
+
+                named += eval_config_rewards(self.config)
             model = any(isinstance(n, str) and n in registry and getattr(registry.get(n).spec, "uses_gpu", False) for n in named)
             c.set("reward_num_gpus_per_worker", 1.0 if model else 0.0, Source.DERIVED)
         elif v("colocate_reward"):
@@ -565,7 +569,15 @@ class _Resolver:
             self.config.set("use_ray", True, Source.DERIVED)  # a cluster address means running on it
         self.errors.extend(distributed_post_errors(self.config))
         if v("eval_interval") is not None and not (v("eval_prompt_data") or v("eval_config")):
-            self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH)")
+            self.fail("--eval-interval requires an evaluation dataset (--eval-prompt-data NAME PATH or --eval-config FILE)")
+        if v("eval_config"):
+            from miles_core.config.eval_config import eval_config_problems
+
+            self.errors.extend(eval_config_problems(self.config, self.host.registries.reward))
+            if v("eval_prompt_data"):
+                self.config.notes.append(
+                    f"--eval-prompt-data is ignored: --eval-config {v('eval_config')} names the eval datasets (it overrides --eval-prompt-data)"
+                )
         if v("eval_prompt_data") and len(v("eval_prompt_data")) % 2:
             self.fail("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
         if v("train_only") and v("debug_rollout_only"):
@@ -939,6 +951,20 @@ def _image_input_errors(config: Config, image_input: str, family: str, loss: str
         )
     if not supervised and config.image_key in (config.input_key, config.eval_input_key):
         errors.append(f"--image-key {config.image_key!r}: a prompt row keeps its prompt and its image under different keys")
+    elif not supervised and config.get("eval_config"):  # each --eval-config set has its own keys
+        from miles_core.config.eval_config import eval_datasets
+
+        try:
+            datasets = eval_datasets(config)
+        except ConfigError:  # the file's own problem, reported by eval_config_problems
+            datasets = []
+        for dataset in datasets:
+            key = dataset.image_key or config.image_key
+            if key == dataset.input_key:
+                flag = "image_key" if dataset.image_key else "--image-key"
+                errors.append(
+                    f"{dataset.where}: {flag} {key!r} is also its input_key: a prompt row keeps its prompt and its image under different keys"
+                )
     return errors
 
 

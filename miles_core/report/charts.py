@@ -270,6 +270,8 @@ def samples_per_evaluation(run: Run, eval_set: str) -> dict[int, int]:
 
 def configured_samples(run: Run, eval_set: str) -> int | None:
     """n_samples_per_eval_prompt x the eval set's prompts, when its prompt file is readable."""
+    if run.flag("eval_config"):  # each set has its own count there: the manifest tells
+        return None
     n = run.flag("n_samples_per_eval_prompt")
     data = run.flag("eval_prompt_data") or []
     if not isinstance(n, int) or not isinstance(data, list):

@@ -18,11 +18,15 @@ EVAL_SEED_OFFSET = 2**30
 
 
 class EvalPrompts:
-    """One eval set as a data source: :meth:`batch` gives all its prompts, every time."""
+    """One eval set as a data source: :meth:`batch` gives all its prompts, every time;
+    :attr:`dataset` holds its own settings (an
+    :class:`~miles_core.config.eval_config.EvalDataset`: samples per prompt, steps, keys);
+    None (a source built by hand) means the flags'."""
 
-    def __init__(self, name: str, records: Sequence[PromptRecord]) -> None:
+    def __init__(self, name: str, records: Sequence[PromptRecord], dataset: Any = None) -> None:
         self.name = name
         self.records = list(records)
+        self.dataset = dataset
 
     def batch(self, rollout_id: int) -> list[PromptRecord]:
         return list(self.records)
@@ -34,10 +38,15 @@ class EvalPrompts:
         pass
 
 
-def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutRequest]:
-    """One request per prompt: ``--n-samples-per-eval-prompt`` outputs, seeds fixed for
-    the run (prompt ``j`` of every eval set gets the same seeds), ODE sampling."""
-    n = config.n_samples_per_eval_prompt
+def eval_requests(config: Any, records: Sequence[PromptRecord], dataset: Any = None) -> list[RolloutRequest]:
+    """One request per prompt: the set's ``n_samples_per_eval_prompt`` outputs and steps
+    (``dataset``, an :class:`~miles_core.config.eval_config.EvalDataset`; None: the flags'
+    set, :func:`~miles_core.config.eval_config.flag_dataset`), seeds fixed for the run
+    (prompt ``j`` of every eval set gets the same seeds), ODE sampling."""
+    from miles_core.config.eval_config import flag_dataset
+
+    dataset = dataset if dataset is not None else flag_dataset(config)
+    n, steps = dataset.n_samples_per_eval_prompt, dataset.num_steps
     frames = config.diffusion_output_num_frames
     return [
         RolloutRequest(
@@ -45,7 +54,7 @@ def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutR
             negative_prompt=config.diffusion_negative_prompt,
             seed=(config.rollout_seed + EVAL_SEED_OFFSET + j * n) % 2**31,
             num_outputs_per_prompt=n,
-            num_inference_steps=config.diffusion_eval_num_steps or config.diffusion_num_steps,
+            num_inference_steps=steps,
             guidance_scale=config.diffusion_guidance_scale,
             true_cfg_scale=config.diffusion_true_cfg_scale,
             height=config.diffusion_height,
@@ -60,10 +69,13 @@ def eval_requests(config: Any, records: Sequence[PromptRecord]) -> list[RolloutR
     ]
 
 
-async def eval_samples(config: Any, engine: Any, records: Sequence[PromptRecord], generate: Generate = engine_generate) -> list[Sample]:
-    """The built-in evaluation's samples of one eval set, prompt after prompt."""
+async def eval_samples(
+    config: Any, engine: Any, records: Sequence[PromptRecord], generate: Generate = engine_generate, dataset: Any = None
+) -> list[Sample]:
+    """The built-in evaluation's samples of one eval set (``dataset``: its settings, see
+    :func:`eval_requests`), prompt after prompt."""
 
-    outputs = await asyncio.gather(*(generate(engine, r) for r in eval_requests(config, records)))
+    outputs = await asyncio.gather(*(generate(engine, r) for r in eval_requests(config, records, dataset)))
     return [
         Sample(
             prompt=record.prompt,

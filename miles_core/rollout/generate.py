@@ -183,7 +183,8 @@ async def diffusion_rollout(
     if evaluation:
         from miles_core.rollout.evaluation import eval_samples
 
-        return await eval_samples(config, engine, data_source.batch(rollout_id), generate)
+        # An eval set's own settings (--eval-config: samples per prompt, steps) ride on its source.
+        return await eval_samples(config, engine, data_source.batch(rollout_id), generate, getattr(data_source, "dataset", None))
     prompts = prompt_batch(config, data_source, rollout_id)
     epoch_of = getattr(data_source, "epoch_of", None)
     groups = await generate_rollout(

@@ -5,6 +5,10 @@ engine in evaluation mode (``rollout: false``: ODE steps, pixels only), so two
 evaluations differ only by the policy: the gain over the first evaluation is a paired
 comparison (``eval/<name>/paired_gain``), far less noisy than comparing rollout means.
 
+The eval sets come from ``--eval-config`` (else ``--eval-prompt-data``), each with its own
+settings (:class:`~miles_core.config.eval_config.EvalDataset`: keys, samples per prompt,
+steps, ``rm_type``), resolved in :mod:`miles_core.config.eval_config`.
+
 ``--eval-function-path`` (else ``--rollout-function-path``) replaces the sampling of each
 eval set: it is called with ``evaluation=True`` and an :class:`EvalPrompts` source, and
 its samples are scored and compared like the built-in ones.
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from miles_core.config.eval_config import EvalDataset, eval_datasets, flag_dataset
+from miles_core.errors import PromptDataError
 from miles_core.request import RolloutRequest
 from miles_core.rollout.data import PromptRecord, load_prompts, run_image_options
 from miles_core.rollout.evaluation import EvalPrompts, eval_requests
@@ -45,19 +51,37 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[Sample]] = field(default_factory=dict)
     """Each eval set's scored samples (what ``--custom-eval-rollout-log-function-path`` gets)."""
+    samples_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Each eval set's samples per prompt (its ``n_samples_per_eval_prompt``)."""
+
+
+def load_eval_records(config: Any, dataset: EvalDataset) -> list[PromptRecord]:
+    """One eval set's rows, read as the run's prompt rows are but with the set's own keys
+    (an image-to-video family's rows carry their image, checked by
+    :func:`~miles_core.rollout.data.load_prompts`: a bad row is a one-line
+    :class:`~miles_core.errors.PromptDataError`), each row's metadata with the set's
+    ``metadata_overrides`` and ``rm_type`` merged in."""
+    images = run_image_options(config)
+    if images and dataset.image_key is not None:
+        images["image_key"] = dataset.image_key
+    try:
+        records = load_prompts(dataset.path, input_key=dataset.input_key, metadata_key=dataset.metadata_key, **images)
+    except PromptDataError as exc:
+        if dataset.source is None:
+            raise
+        # The set's keys come from the file: its hint names the dataset's key, not the flag.
+        message = str(exc).replace("(set --input-key to", "(set the dataset's input_key to")
+        message = message.replace("(set --image-key to", "(set the dataset's image_key to")
+        raise PromptDataError(f"{dataset.where}: {message}") from None
+    if dataset.metadata_overrides or dataset.rm_type is not None:
+        records = [replace(record, metadata=dataset.row_metadata(record.metadata)) for record in records]
+    return records
 
 
 def load_eval_datasets(config: Any) -> dict[str, list[PromptRecord]]:
-    """The ``--eval-prompt-data`` sets by name, their rows read as the run's prompt rows
-    are (an image-to-video family's rows carry their image, checked by
-    :func:`~miles_core.rollout.data.load_prompts`: a bad row is a one-line
-    :class:`~miles_core.errors.PromptDataError`)."""
-    pairs = list(config.eval_prompt_data or [])
-    key = config.eval_input_key or config.input_key
-    images = run_image_options(config)
-    return {
-        pairs[i]: load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key, **images) for i in range(0, len(pairs), 2)
-    }
+    """The eval sets (``--eval-config``, else ``--eval-prompt-data``) by name, their rows
+    as :func:`load_eval_records` reads them."""
+    return {dataset.name: load_eval_records(config, dataset) for dataset in eval_datasets(config)}
 
 
 class Evaluator:
@@ -80,22 +104,36 @@ class Evaluator:
             sibling = getattr(self.training_scorer, "evaluation_scorer", None)
             self.scorer = sibling() if sibling is not None else RewardScorer(config, evaluation=True, share=self.training_scorer)
         self.datasets: dict[str, list[PromptRecord]] = load_eval_datasets(config) if datasets is None else datasets
+        self.settings: dict[str, EvalDataset] = {dataset.name: dataset for dataset in eval_datasets(config)}
+        """Each eval set's own settings (keys, samples per prompt, steps)."""
         self.first: EvalResult | None = None
         self.hook = eval_hook(config)  # None: the built-in evaluation
 
-    def requests(self, records: list[PromptRecord]) -> list[RolloutRequest]:
-        return eval_requests(self.config, records)
+    def dataset(self, name: str | None) -> EvalDataset:
+        """Eval set ``name``'s settings; a set the run does not name (one handed in by a
+        caller) gets the flags'."""
+        found = self.settings.get(name) if name is not None else None
+        return found if found is not None else flag_dataset(self.config, name or "")
+
+    def requests(self, records: list[PromptRecord], name: str | None = None) -> list[RolloutRequest]:
+        """The built-in evaluation's requests for eval set ``name``'s ``records``."""
+        return eval_requests(self.config, records, self.dataset(name))
+
+    def samples_per_prompt(self, name: str) -> int:
+        return self.dataset(name).n_samples_per_eval_prompt
 
     async def sample(self, name: str, records: list[PromptRecord], rollout_id: int) -> list[Sample]:
         """One eval set's samples: the built-in evaluation, or the eval rollout function's
-        (checked: ``--n-samples-per-eval-prompt`` samples per prompt, in prompt order, so
-        paired gains compare the same prompt and seed)."""
-        config, source = self.config, EvalPrompts(name, records)
+        (checked: the set's ``n_samples_per_eval_prompt`` samples per prompt, in prompt
+        order, so paired gains compare the same prompt and seed). The source carries the
+        set's settings (:attr:`EvalPrompts.dataset`)."""
+        dataset = self.dataset(name)
+        config, source = self.config, EvalPrompts(name, records, dataset)
         if self.hook is None:
             return await diffusion_rollout(config, rollout_id, self.engine, source, evaluation=True)
-        n = config.n_samples_per_eval_prompt
+        n = dataset.n_samples_per_eval_prompt
         samples = await self.hook(config, rollout_id, self.engine, source, evaluation=True)
-        return check_samples(self.hook, samples, n, size_flag="--n-samples-per-eval-prompt", expected=len(records) * n)
+        return check_samples(self.hook, samples, n, size_flag=dataset.size_flag, expected=len(records) * n)
 
     async def evaluate(self, rollout_id: int = -1) -> EvalResult:
         """Sample and score every eval set; ``rollout_id`` is the rollout whose record
@@ -106,6 +144,7 @@ class Evaluator:
             samples = await self.sample(name, records, rollout_id)
             rewards = await scorer.score(samples)
             result.samples[name] = samples
+            result.samples_per_prompt[name] = self.samples_per_prompt(name)
             result.rewards[name] = rewards
             result.images[name] = [s.pixels for s in samples]
             # RewardError when every sample failed; rewards of failed samples are NaN.
@@ -261,12 +300,13 @@ class EvalArchive:
         encoder = media.video_encoder() is not None
         written: dict[str, list[dict[str, Any]]] = {}
         for name, samples in result.samples.items():
+            columns = result.samples_per_prompt.get(name, self.columns)
             folder = ARCHIVE / name / tag
             (self.out / folder).mkdir(parents=True, exist_ok=True)
             rewards = result.rewards[name]
             rows = []
             for i, sample in enumerate(samples):
-                stem = folder / f"p{i // self.columns:03d}_s{i % self.columns:02d}"
+                stem = folder / f"p{i // columns:03d}_s{i % columns:02d}"
                 frames = uint8_frames(sample.pixels)
                 video = None
                 if frames.ndim == 4 and frames.shape[0] > 1:  # [F, H, W, C]
@@ -293,9 +333,9 @@ class EvalArchive:
                         "evaluation": self.evaluation,
                         "trained_rollouts": trained_rollouts,
                         "rollout_id": rollout_id,
-                        "prompt_index": i // self.columns,
+                        "prompt_index": i // columns,
                         "prompt": sample.prompt,
-                        "sample_index": i % self.columns,
+                        "sample_index": i % columns,
                         "seed": int(sample.seed),
                         "reward": reward if math.isfinite(reward) and not sample.reward_failed else None,
                         "reward_components": components,
@@ -317,16 +357,17 @@ class EvalArchive:
         samples_dir = self.out / "samples"
         paths = []
         for name, images in result.images.items():
+            columns = result.samples_per_prompt.get(name, self.columns)
             video = any(img.ndim == 4 and img.shape[1] > 1 for img in images)
-            captions = eval_grid_captions(name, tag, rows[name], self.columns, video=video)
-            paths.append(save_grid(images, samples_dir / f"eval_{name}_{tag}.png", self.columns, captions))
+            captions = eval_grid_captions(name, tag, rows[name], columns, video=video)
+            paths.append(save_grid(images, samples_dir / f"eval_{name}_{tag}.png", columns, captions))
             if name not in self.first:
                 self.first[name] = (rows[name], images)
                 continue
             before_rows, before = self.first[name]
             pairs = [img for pair in zip(before, images) for img in pair]
-            captions = before_after_captions(name, before_rows, rows[name], self.columns, video=video)
-            paths.append(save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * self.columns, captions))
+            captions = before_after_captions(name, before_rows, rows[name], columns, video=video)
+            paths.append(save_grid(pairs, samples_dir / f"eval_{name}_before_after.png", 2 * columns, captions))
         return paths
 
 

@@ -315,7 +315,11 @@ class RunGuard:
 
         self.settings = GuardSettings.from_config(config)
         self.guard = Guard(self.settings)
-        self.samples_per_prompt = int(config.n_samples_per_eval_prompt or 1)
+        from miles_core.config.eval_config import eval_datasets
+
+        datasets = eval_datasets(config)
+        self.samples_per_prompt: dict[str, int] = {d.name: d.n_samples_per_eval_prompt for d in datasets}
+        """Each eval set's samples per prompt (diversity needs 2 or more)."""
         self.path = out / ALARMS_FILE
         self.log = log
         self.measure_kl = measure_kl
@@ -326,8 +330,12 @@ class RunGuard:
         self._rewards: list[float] = []
         self._resumed = False
         """Restored from a checkpoint and no rollout noted since: an evaluation now re-measures the checkpoint's weights."""
-        if self.samples_per_prompt < 2:
+        single = [d for d in datasets if d.n_samples_per_eval_prompt < 2]
+        if single and not getattr(config, "eval_config", None):
             log("guard: diversity is not measured: it needs --n-samples-per-eval-prompt 2 or more")
+        elif single:  # --eval-config: each set has its own samples per prompt
+            names = ", ".join(d.name for d in single)
+            log(f"guard: diversity is not measured on eval set(s) {names}: it needs 2 or more samples per prompt")
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (:func:`~miles_core.training.run_state.save_run_state`):
@@ -373,7 +381,8 @@ class RunGuard:
         for name, images in result.images.items():
             samples = result.samples.get(name, [])
             judged = await self._judge_rewards(samples) if self.judge is not None and samples else None
-            eval_sets[name] = observe_eval_set(images, result.rewards[name], self.samples_per_prompt, judged)
+            per_prompt = getattr(result, "samples_per_prompt", {}).get(name) or self.samples_per_prompt[name]  # the set's own
+            eval_sets[name] = observe_eval_set(images, result.rewards[name], per_prompt, judged)
         training = sum(self._rewards) / len(self._rewards) if self._rewards else None
         if self._resumed:
             # A resumed run's evaluation before its first rollout re-measures the checkpoint's

@@ -61,7 +61,7 @@ def run_requests(config: Config, records: Sequence[Any], *, supervised: bool) ->
         from miles_core.training.sft import sft_request
 
         return [sft_request(config, row.prompt) for row in records]
-    from miles_core.rollout.data import load_prompts, run_image_options
+    from miles_core.config.eval_config import eval_datasets
     from miles_core.rollout.evaluation import eval_requests
     from miles_core.rollout.generate import RolloutSettings
     from miles_core.rollout.seeds import Microgroup
@@ -69,11 +69,10 @@ def run_requests(config: Config, records: Sequence[Any], *, supervised: bool) ->
     settings = RolloutSettings.from_config(config)
     microgroup = Microgroup(group_index=0, offset=0, size=1, seed=0)
     requests = [settings.request(record.prompt, microgroup, (), (), image=record.image) for record in records]
-    pairs = list(config.eval_prompt_data or [])
-    key = config.eval_input_key or config.input_key
-    for i in range(0, len(pairs), 2):
-        eval_records = load_prompts(pairs[i + 1], input_key=key, metadata_key=config.metadata_key, **run_image_options(config))
-        requests += eval_requests(config, eval_records)
+    from miles_core.training.evaluation import load_eval_records
+
+    for dataset in eval_datasets(config):  # each eval set's requests as the evaluation makes them (its own keys and steps)
+        requests += eval_requests(config, load_eval_records(config, dataset), dataset)
     return requests
 
 

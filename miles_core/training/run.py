@@ -72,7 +72,14 @@ def check_engine_images(config: Config, records: list, eval_datasets: dict[str, 
     family whose image is optional train on sglang as any text-to-video family's do."""
     if config.get("rollout_engine") != "sglang":
         return
-    sets = {"--prompt-data": records, **{f"--eval-prompt-data {name}": rows for name, rows in (eval_datasets or {}).items()}}
+    from miles_core.config.eval_config import eval_datasets as resolve_eval_sets
+
+    files = {d.name: d.source for d in resolve_eval_sets(config)} if eval_datasets else {}
+    labels = {name: f"--eval-config {file} dataset {name}" if file else f"--eval-prompt-data {name}" for name, file in files.items()}
+    sets = {
+        "--prompt-data": records,
+        **{labels.get(name, f"--eval-prompt-data {name}"): rows for name, rows in (eval_datasets or {}).items()},
+    }
     for flag, rows in sets.items():
         row = next((r for r in rows if getattr(r, "image", None)), None)
         if row is not None:
