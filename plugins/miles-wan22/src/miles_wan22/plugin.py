@@ -20,6 +20,9 @@ EXPERTS = ("transformer", "transformer_2")
 
 LOW_NOISE_EXPERT = EXPERTS[1]
 
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+"""The attention projections of every Wan transformer (each expert of A14B, TI2V-5B's one)."""
+
 GUIDANCE_SCALE_2_REQUIRED = (
     "--diffusion-guidance-scale-2 is required when --update-weight-target-module trains transformer_2 (the "
     "low-noise expert): the guidance scale that expert is sampled and trained with is part of what it learns, "
@@ -48,7 +51,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             pipeline_classes=("WanPipeline",),
             checkpoint_check="miles_wan22.checkpoint:two_expert_wan",
             trainable_components=("transformer", "transformer_2"),
-            lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+            lora_target_modules=LORA_TARGET_MODULES,
             n_samples_per_prompt=16,
             rollout_microgroup_size=8,
             generation_options=("num_frames", "fps", "guidance_scale_2"),
@@ -67,7 +70,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             pipeline_classes=("WanPipeline",),
             checkpoint_check="miles_wan22.checkpoint:ti2v_wan",
             trainable_components=("transformer",),
-            lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+            lora_target_modules=LORA_TARGET_MODULES,
             # No RL recipe is published for TI2V-5B: the reference's Wan 2.2 group and
             # microgroup (16 / 8), which the smaller dense model fits at least as well.
             n_samples_per_prompt=16,
@@ -93,7 +96,7 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             pipeline_classes=("WanImageToVideoPipeline",),
             checkpoint_check="miles_wan22.checkpoint:i2v_wan",
             trainable_components=("transformer", "transformer_2"),
-            lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+            lora_target_modules=LORA_TARGET_MODULES,
             # No RL recipe is published for I2V-A14B: wan2_2's (the reference's Wan 2.2 values).
             n_samples_per_prompt=16,
             rollout_microgroup_size=8,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
@@ -133,33 +133,38 @@ def _seeded(seed: int, index: int, make: Callable[[], T]) -> T:
     return make()
 
 
+def _text_components(seed: int) -> dict[str, Any]:
+    """The tokenizer and the seeded UMT5 encoder every tiny Wan pipeline shares."""
+    tokenizer = t5_tokenizer(model_max_length=512)
+    return {"tokenizer": tokenizer, "text_encoder": _seeded(seed, 0, lambda: _text_encoder(len(tokenizer)))}
+
+
+def _save(pipe: Any, out_dir: str | Path, family: str) -> Path:
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    mark_tiny(out, family=family)  # commands load it without the hub libraries' notices
+    return out
+
+
 def build(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write the tiny pipeline to ``out_dir``; the same ``seed`` gives identical weights."""
-    out = Path(out_dir)
-    tokenizer = t5_tokenizer(model_max_length=512)
     pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        **_text_components(seed),
         vae=_seeded(seed, 1, _vae),
         scheduler=_scheduler(),
         transformer=_seeded(seed, 2, _transformer),
         transformer_2=_seeded(seed, 3, _transformer),
         boundary_ratio=BOUNDARY_RATIO,
     )
-    pipe.save_pretrained(out)
-    mark_tiny(out, family="wan22")  # commands load it without the hub libraries' notices
-    return out
+    return _save(pipe, out_dir, "wan22")
 
 
 def build_ti2v(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny Wan 2.2 TI2V-5B-like pipeline (``WanPipeline`` with
     ``expand_timesteps``, one transformer, Wan 2.2's VAE) to ``out_dir``; the same
     ``seed`` gives identical weights."""
-    out = Path(out_dir)
-    tokenizer = t5_tokenizer(model_max_length=512)
     pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        **_text_components(seed),
         vae=_seeded(seed, 1, _ti2v_vae),
         scheduler=_scheduler(TI2V_FLOW_SHIFT),
         transformer=_seeded(seed, 2, lambda: _transformer(TI2V_LATENT_CHANNELS, rope_max_seq_len=64)),
@@ -167,9 +172,7 @@ def build_ti2v(out_dir: str | Path, *, seed: int = 0) -> Path:
         boundary_ratio=None,
         expand_timesteps=True,
     )
-    pipe.save_pretrained(out)
-    mark_tiny(out, family="wan22_ti2v")  # commands load it without the hub libraries' notices
-    return out
+    return _save(pipe, out_dir, "wan22_ti2v")
 
 
 def build_i2v(out_dir: str | Path, *, seed: int = 0) -> Path:
@@ -177,16 +180,13 @@ def build_i2v(out_dir: str | Path, *, seed: int = 0) -> Path:
     ``boundary_ratio``, two experts reading ``2 x z_dim + 4`` channels, no CLIP image encoder)
     to ``out_dir``; the same ``seed`` gives identical weights. The text encoder, VAE and
     experts' sizes are :func:`build`'s."""
-    out = Path(out_dir)
-    tokenizer = t5_tokenizer(model_max_length=512)
     channels = 2 * LATENT_CHANNELS + I2V_MASK_CHANNELS
 
     def expert() -> WanTransformer3DModel:
         return _transformer(channels, out_channels=LATENT_CHANNELS)
 
     pipe = WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=_seeded(seed, 0, lambda: _text_encoder(len(tokenizer))),
+        **_text_components(seed),
         vae=_seeded(seed, 1, _vae),
         # Shift 3 (as build's, not I2V-A14B's published 5): 3 steps are then 999, 857, 600,
         # so a tiny run's two SDE steps reach both experts across the 900 boundary.
@@ -197,6 +197,4 @@ def build_i2v(out_dir: str | Path, *, seed: int = 0) -> Path:
         transformer_2=_seeded(seed, 3, expert),
         boundary_ratio=I2V_BOUNDARY_RATIO,
     )
-    pipe.save_pretrained(out)
-    mark_tiny(out, family="wan22_i2v")  # commands load it without the hub libraries' notices
-    return out
+    return _save(pipe, out_dir, "wan22_i2v")
