@@ -36,6 +36,7 @@ from miles_core.hookspecs import hookimpl
 from miles_core.specs import (
     FAMILY_GENERATION_OPTIONS,
     TRAINING_DATA,
+    TRANSITION_BATCH_KEYS,
     LossSpec,
     ModelFamilySpec,
     RewardSpec,
@@ -74,12 +75,17 @@ _LAZY: dict[str, str] = {
     "FLOW_SHIFT": "miles_core.request",
     # Denoising-step backends.
     "SdeBackend": "miles_core.sde",
+    "FlowSdeBackend": "miles_core.sde",
     "StepOutput": "miles_core.sde",
     "broadcast_sigma": "miles_core.sde",
     "working_precision": "miles_core.sde",
+    # Step strategies: ``strategy(ctx: StepContext) -> StepSelection``.
+    "StepContext": "miles_core.step_strategies",
+    "StepSelection": "miles_core.step_strategies",
     # Losses: ``loss(batch, config) -> (loss, metrics)``.
     "LossFn": "miles_core.losses",
     "Metrics": "miles_core.losses",
+    "kl_penalty": "miles_core.losses",
     # Rollout samples (what rewards, filters and rollout functions receive).
     "Sample": "miles_core.rollout.sample",
     "FilterOutput": "miles_core.rollout.filters",
@@ -98,6 +104,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "FAMILY_GENERATION_OPTIONS",
     "TRAINING_DATA",
+    "TRANSITION_BATCH_KEYS",
     "CheckpointError",
     "ConfigError",
     "Flag",

@@ -185,9 +185,11 @@ class ModelFamily(abc.ABC):
 
     @abc.abstractmethod
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
-        """Initial noise, output *i* drawn on the CPU in fp32 from ``generators[i]``
-        (seeded ``seed + i``) and then moved to the device, so any engine that follows
-        the same rule starts a sample from the same noise."""
+        """Initial noise, output *i* drawn in fp32 from ``generators[i]`` (seeded
+        ``seed + i``) on that generator's device (:func:`per_output_noise`) and then moved
+        to the model's device, so any engine that follows the same rule starts a sample
+        from the same noise. The generators are CPU ones unless the request's
+        ``generator_device`` is ``cuda`` (then on the model's device)."""
 
     @abc.abstractmethod
     def schedule(self, params: GenerationParams) -> Schedule:
@@ -455,12 +457,13 @@ def request_fps(value: float | None, default: float | None) -> float | None:
 
 def per_output_noise(shape: Sequence[int], generators: Sequence[torch.Generator]) -> torch.Tensor:
     """``[len(generators), *shape[1:]]`` fp32 noise: one ``torch.randn(shape)`` draw per
-    output from that output's own CPU generator (``shape`` has a leading 1), so an
-    output's noise depends only on its seed, never on its batch or the device. What the
+    output from that output's own generator, on the generator's device (``shape`` has a
+    leading 1), so an output's noise depends only on its seed and its generator's device
+    (the CPU by default: then never on the model's device), never on its batch. What the
     diffusers pipelines' ``randn_tensor`` with a list of generators draws, row by row."""
     import torch
 
-    return torch.cat([torch.randn(tuple(shape), generator=g, dtype=torch.float32) for g in generators])
+    return torch.cat([torch.randn(tuple(shape), generator=g, device=g.device, dtype=torch.float32) for g in generators])
 
 
 def read_component_config(checkpoint: str | Path, component: str) -> dict[str, Any] | None:

@@ -9,14 +9,15 @@ Flow-GRPO::
 
     A = clamp(adv, ±adv_clip_max),  r = exp(logp_new − logp_old)
     loss = mean(max(−A·r, −A·clamp(r, 1−ε, 1+ε)))
-         + β_kl · mean_b[ mean((μ_new − μ_ref)²) / (2·s²) ]
+         + β_kl · mean_b[ mean((μ_new − μ_ref)²) / (2·s²) ]     (--kl-space latent)
+         + β_kl · mean_b[ mean((v_new − v_ref)²) ]              (--kl-space velocity)
 
 DiffusionNFT (``x_t = (1−σ)·x0 + σ·ε``)::
 
     v₊ = β·v_new + (1−β)·v_old,  v₋ = (1+β)·v_old − β·v_new,  x0± = x_t − σ·v±
     w± = clamp(mean|x0± − x0|, 1e-5)  (detached; 1 without adaptive weighting)
     L± = mean((x0± − x0)² / w±),  r = clamp(clamp(A, ±C)/(2C) + ½, 0, 1)
-    loss = mean_b[ C·(r·L₊ + (1−r)·L₋)/β ]
+    loss = mean_b[ C·(r·L₊ + (1−r)·L₋)/β ]  (+ β_kl · mean((v_new − v_base)²))
 
 SFT::
 
@@ -37,12 +38,14 @@ __all__ = [
     "LOSSES",
     "custom_loss",
     "flow_grpo_loss",
+    "kl_penalty",
     "kl_to_reference",
     "nft",
     "nft_loss",
     "policy_loss",
     "sft",
     "sft_loss",
+    "velocity_kl",
 ]
 
 Metrics = dict[str, Tensor]
@@ -61,8 +64,12 @@ def flow_grpo_loss(
     mean: Tensor | None = None,
     ref_mean: Tensor | None = None,
     std: Tensor | float | None = None,
+    kl: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Flow-GRPO's PPO-style clipped loss on per-sample step log-probs ([B] each).
+
+    The KL term is ``kl`` (a per-sample [B] tensor, e.g. :func:`velocity_kl`) when given,
+    else :func:`kl_to_reference` of ``mean``, ``ref_mean`` and ``std``.
 
     ``std`` for the KL term is ``s`` (``StepOutput.noise_scale``), a float or a [B] /
     [B, 1, ..., 1] tensor: flow_grpo's ``scripts/train_sd3.py`` divides by
@@ -82,9 +89,11 @@ def flow_grpo_loss(
 
     metrics: Metrics = {"policy_loss": policy.detach()}
     if kl_beta > 0:
-        if mean is None or ref_mean is None or std is None:
-            raise ValueError("flow_grpo_loss: kl_beta > 0 needs mean, ref_mean and std")
-        kl = kl_to_reference(mean, ref_mean, std).mean()
+        if kl is None:
+            if mean is None or ref_mean is None or std is None:
+                raise ValueError("flow_grpo_loss: kl_beta > 0 needs kl, or mean, ref_mean and std")
+            kl = kl_to_reference(mean, ref_mean, std)
+        kl = kl.mean()
         loss = policy + kl_beta * kl
         metrics["kl_loss"] = kl.detach()
 
@@ -108,6 +117,25 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor | float) -> Tens
         s = s.reshape((-1,) + (1,) * (sq.ndim - 1))
     per_elem = sq / (2 * s**2)
     return per_elem.mean(dim=tuple(range(1, per_elem.ndim)))
+
+
+def velocity_kl(velocity: Tensor, ref_velocity: Tensor) -> Tensor:
+    """The KL term in velocity space per sample, ``mean((v − v_ref)²)`` over each sample's
+    elements ([B]): DiffusionNFT's (NVlabs/DiffusionNFT@24af555 scripts/train_nft_sd3.py,
+    ``config.train.beta``), ``--kl-space velocity`` for Flow-GRPO. The reference is a
+    fixed target."""
+    sq = (velocity - ref_velocity.detach()) ** 2
+    return sq.mean(dim=tuple(range(1, sq.ndim)))
+
+
+def kl_penalty(batch: Mapping[str, Tensor], loss_name: str = "kl") -> Tensor:
+    """The per-sample KL term ``--diffusion-kl-beta`` weighs, from a loss's batch: in
+    velocity space (``velocity``, ``ref_velocity``) when the batch carries them
+    (``--kl-space velocity``), else in latent space (``mean``, ``ref_mean``, ``std``);
+    ``loss_name`` names the loss in the error about a missing key."""
+    if "ref_velocity" in batch:
+        return velocity_kl(_need(batch, "velocity", loss_name), batch["ref_velocity"])
+    return kl_to_reference(*(_need(batch, key, loss_name) for key in ("mean", "ref_mean", "std")))
 
 
 def nft_loss(
@@ -193,7 +221,7 @@ def policy_loss(batch: Mapping[str, Tensor], config: Any) -> tuple[Tensor, Metri
     kl_beta = float(getattr(config, "diffusion_kl_beta", 0.0) or 0.0)
     extra: dict[str, Any] = {}
     if kl_beta > 0:
-        extra = {k: _need(batch, k, name) for k in ("mean", "ref_mean", "std")}
+        extra = {"kl": kl_penalty(batch, name)}
     return flow_grpo_loss(
         _need(batch, "log_prob", name),
         _need(batch, "old_log_prob", name),
@@ -209,12 +237,19 @@ def nft(batch: Mapping[str, Tensor], config: Any) -> tuple[Tensor, Metrics]:
     """``--loss-type nft``: DiffusionNFT."""
     name = "nft"
     tensors = [_need(batch, k, name) for k in ("v_new", "v_old", "x_t", "x0", "sigma", "advantages")]
-    return nft_loss(
+    loss, metrics = nft_loss(
         *tensors,
         beta=float(_flag(config, "diffusion_nft_beta", name)),
         adv_clip_max=float(_flag(config, "diffusion_adv_clip_max", name)),
         adaptive_weight=not bool(getattr(config, "no_diffusion_nft_adaptive_weight", False)),
     )
+    kl_beta = float(getattr(config, "diffusion_kl_beta", 0.0) or 0.0)
+    if kl_beta > 0:
+        # DiffusionNFT's KL: the live prediction against the base model's, added to the loss.
+        kl = velocity_kl(batch["v_new"], _need(batch, "v_ref", name)).mean()
+        loss = loss + kl_beta * kl
+        metrics["kl_loss"] = kl.detach()
+    return loss, metrics
 
 
 def sft(batch: Mapping[str, Tensor], config: Any) -> tuple[Tensor, Metrics]:

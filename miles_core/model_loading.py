@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 
 def model_device() -> str:
-    """``cuda`` when a GPU is visible, else ``cpu`` (noise generators stay on the CPU
-    either way: ``--diffusion-generator-device``)."""
+    """``cuda`` when a GPU is visible, else ``cpu``. The noise generators stay on the CPU
+    unless ``--diffusion-generator-device cuda`` puts them on this device (each request's
+    ``generator_device``)."""
     return "cuda" if visible_gpu_count() else "cpu"
 
 

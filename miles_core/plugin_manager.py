@@ -300,6 +300,22 @@ def loss_spec(config: Any) -> LossSpec:
     return get_host().registries.loss.get(config.loss_type).spec
 
 
+def step_strategy(config: Any) -> Any:
+    """The run's step strategy: ``--diffusion-step-strategy-path`` as a registered strategy
+    name (``mixgrpo``) or a dotted path to a callable; unset, ``ode_and_return_last`` for
+    losses that train without SDE transitions and ``sde_window`` for the rest. Raises the
+    one-line :class:`~miles_core.errors.PathFlagError` of a bad path."""
+    from miles_core.refs import resolve_path_flag
+
+    registry = get_host().registries.step_strategy
+    name = config.diffusion_step_strategy_path
+    if not name:
+        name = "sde_window" if loss_spec(config).trains_on == "sde_transitions" else "ode_and_return_last"
+    if name in registry:
+        return registry.get(name).load()
+    return resolve_path_flag("--diffusion-step-strategy-path", name, "callable")
+
+
 def reset_host() -> None:
     """Forget the process-wide host (tests, or after changing the environment)."""
     global _host

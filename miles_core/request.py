@@ -22,11 +22,9 @@ SDE_TYPES = ("sde", "cps", "ode")
 FLOW_SHIFT = "flow_shift"
 """The ``extra_sampling_params`` key of the schedule shift (``--diffusion-flow-shift``), as
 the reference sends it to sglang-diffusion."""
-GENERATOR_DEVICE = "generator_device"
-"""sglang-diffusion's field for the device of the noise generators. Accepted (and not
-kept) so that its clients work unchanged, but only with the one value this engine
-follows: every output's noise is drawn by a CPU generator."""
-GENERATOR_DEVICES = ("cpu",)
+GENERATOR_DEVICES = ("cpu", "cuda")
+"""Values of ``generator_device`` (sglang-diffusion's field, ``--diffusion-generator-device``):
+where each output's noise generator lives."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,11 @@ class RolloutRequest:
     """The conditioning image of an image-to-video request (sglang-diffusion's field: a
     path, or a list holding one path, readable where the engine runs); None: text only.
     See :mod:`miles_core.conditioning_image`."""
+    generator_device: str = "cpu"
+    """Where output *i*'s generator (seeded ``seed + i``) draws its initial and SDE noise
+    (sglang-diffusion's field): ``cpu``, the same latents on any machine; ``cuda``, on
+    the device the model runs on (the CPU for a model on the CPU), whose stream differs
+    from the CPU's, so reproducible on the same GPU type only."""
 
     @classmethod
     def from_json(cls, data: Any) -> RolloutRequest:
@@ -70,18 +73,12 @@ class RolloutRequest:
         if not isinstance(data, Mapping):
             raise RequestError("body", f"must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {GENERATOR_DEVICE})
+        unknown = sorted(set(data) - known)
         if unknown:
             raise RequestError(unknown[0], "unknown field")
         if "prompt" not in data:
             raise RequestError("prompt", "is required")
-        if GENERATOR_DEVICE in data and data[GENERATOR_DEVICE] not in GENERATOR_DEVICES:
-            raise RequestError(
-                GENERATOR_DEVICE,
-                f"{data[GENERATOR_DEVICE]!r} is not supported (supported: "
-                f"{', '.join(GENERATOR_DEVICES)}): every output's noise is drawn by a CPU generator seeded seed + i",
-            )
-        values = {name: _check(name, data[name]) for name in data if name != GENERATOR_DEVICE}
+        values = {name: _check(name, data[name]) for name in data}
         request = cls(**values)
         request.validate()
         return request
@@ -104,6 +101,8 @@ class RolloutRequest:
             raise RequestError("rollout_noise_level", f"must be a finite number >= 0, got {self.rollout_noise_level}")
         if not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
             raise RequestError("guidance_scale", f"must be a finite number >= 0, got {self.guidance_scale}")
+        if self.generator_device not in GENERATOR_DEVICES:
+            raise RequestError("generator_device", f"must be one of {', '.join(GENERATOR_DEVICES)}, got {self.generator_device!r}")
         if self.image_path is not None and len(self.image_path) != 1:
             raise RequestError("image_path", f"takes one conditioning image per request, got {len(self.image_path)}")
         self.flow_shift  # noqa: B018 - reading the property checks the value
@@ -172,7 +171,7 @@ _BOOL_FIELDS = {
     "rollout_return_denoising_env",
     "rollout_return_dit_trajectory",
 }
-_STR_FIELDS = {"prompt", "negative_prompt", "rollout_sde_type", "request_id"}
+_STR_FIELDS = {"prompt", "negative_prompt", "rollout_sde_type", "request_id", "generator_device"}
 _NULLABLE = {
     "negative_prompt",
     "width",

@@ -207,11 +207,26 @@ TRAINING_DATA: dict[str, str] = {
     "nft_pairs": "a rollout's final samples with their advantages, re-noised on the forward process at sampled "
     "timesteps; the old policy is an EMA of the live one (DiffusionNFT)",
     "supervised_rows": "data rows (prompt, image or video) of --prompt-data, noised on the forward process; no rollout, no reward (sft_loss)",
+    "preference_pairs": "the best and the worst final sample of each rollout group (by reward) as a preference pair, both "
+    "re-noised with one noise at one sampled timestep, with the policy's and the reference policy's velocities (online "
+    "Diffusion-DPO / Flow-DPO)",
 }
 """The kinds of training data a loss can train on: kind -> what it is. The run loop, the
 trainer and the configuration rules dispatch on a loss's kind, never on its name; a new
-kind (for example preference pairs drawn from a group) comes with its loop in
-:mod:`miles_core.training.loops`."""
+kind comes with its loop in :mod:`miles_core.training.loops` and its batch in the
+trainer (docs/plugins.md, "Writing a loss", lists each kind's batch keys)."""
+
+TRANSITION_BATCH_KEYS: dict[str, str] = {
+    "mean": "the policy's step mean μ_θ of the transition (primary latent stream), with its gradient",
+    "old_mean": "the behaviour policy's step mean μ_old: the trainer's forward with the rollout's weights, "
+    "before the rollout's first update (no gradient)",
+    "noise_scale": "s, the backend's diffusion coefficient (Flow-GRPO's std_dev_t), shaped [B, 1, ..., 1]",
+    "transition_std": "the transition's standard deviation (s·sqrt(−dt) for sde), shaped [B, 1, ..., 1]",
+    "sigma": "σ of the step, [B]",
+    "sigma_next": "σ' of the step, [B]",
+}
+"""Optional batch keys a loss that trains on ``sde_transitions`` may ask for
+(:attr:`LossSpec.batch_keys`), on top of ``log_prob``, ``old_log_prob`` and ``advantages``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,9 +243,27 @@ class LossSpec(Spec):
     keeps_ema: bool = False
     """True when the algorithm itself needs an EMA of the trained weights (DiffusionNFT's
     old policy), whatever ``--use-ema`` says; it is then the default ``--ref-mode``."""
+    batch_keys: tuple[str, ...] = ()
+    """Keys of :data:`TRANSITION_BATCH_KEYS` the trainer adds to this loss's batch (a loss
+    on ``sde_transitions``); ``old_mean`` costs one more forward per transition."""
+    needs_reference: bool = False
+    """True when the algorithm compares the policy with a reference policy (DPO's
+    log-ratios): the run then needs one (``--ref-mode lora_base`` under LoRA, or ``ema``)."""
+    min_group_size: int = 1
+    """The smallest ``--n-samples-per-prompt`` the algorithm works with (2 for preference
+    pairs: a best and a worst sample per group)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        unknown = [k for k in self.batch_keys if k not in TRANSITION_BATCH_KEYS]
+        if not isinstance(self.batch_keys, tuple) or unknown:
+            raise ValueError(
+                f"LossSpec {self.name!r}: batch_keys {list(self.batch_keys)} must be a tuple of {sorted(TRANSITION_BATCH_KEYS)}"
+            )
+        if self.batch_keys and self.trains_on != "sde_transitions":
+            raise ValueError(f"LossSpec {self.name!r}: batch_keys apply to trains_on='sde_transitions' only")
+        if isinstance(self.min_group_size, bool) or not isinstance(self.min_group_size, int) or self.min_group_size < 1:
+            raise ValueError(f"LossSpec {self.name!r}: min_group_size must be a positive int")
         if self.trains_on not in TRAINING_DATA:
             raise ValueError(f"LossSpec {self.name!r}: trains_on {self.trains_on!r} is not one of {sorted(TRAINING_DATA)}")
         if self.needs_sde_steps and self.trains_on != "sde_transitions":

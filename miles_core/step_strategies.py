@@ -9,7 +9,10 @@ Step numbering: with ``T`` inference steps, loop step ``k`` (0-based) moves late
 ``x_k`` to ``x_{k+1}``; latents are indexed ``0..T`` and ``x_T`` is the final one. The
 last step (``k = T - 1``, ``sigma' = 0``) is never an SDE step: its Gaussian is
 degenerate (CPS) or so peaked that its log-prob overflows (flow_grpo leaves it out of
-training for that reason).
+training for that reason). A :class:`StepSelection` never holds it; a window that
+reaches it (``--diffusion-sde-window-range lo,T``, the reference's default
+``[0, num_inference_steps)``) keeps it as the deterministic Euler (ODE) step, untrained
+(see :func:`sde_window`).
 
 Strategies are pure functions of their context, so the engine and a replay of the same
 request choose the same steps. They draw from a local :class:`random.Random`, never the
@@ -19,7 +22,7 @@ global one, so nothing else in the process can shift their choice.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -100,7 +103,9 @@ class StepContext:
     num_sde_steps: int
     """``--diffusion-num-sde-steps``; 0 means no SDE step."""
     window_range: tuple[int, int] | None
-    """``--diffusion-sde-window-range`` ``[lo, hi)``; ``None`` means ``[0, T - 1)``."""
+    """``--diffusion-sde-window-range`` ``[lo, hi)`` with ``hi <= T``; ``None`` means
+    ``[0, T - 1)``. A window that reaches the last step ``T - 1`` runs it as the
+    deterministic step (:func:`sde_window`)."""
     candidate_steps: tuple[int, ...] | None
     """``--diffusion-sde-candidate-steps``."""
     seed: int
@@ -112,6 +117,10 @@ class StepContext:
     rollout_id: int = 0
     """The rollout the request belongs to (0 for a configuration check's dry run), so a
     strategy can change its choice over training (a curriculum over steps)."""
+    config: Any = field(default=None, compare=False, repr=False)
+    """The run's resolved configuration (read only), where a plugin's strategy reads the
+    flags it adds with ``miles_add_arguments`` (MixGRPO's shift interval); None when a
+    strategy is called outside a run."""
 
 
 class StepStrategy(Protocol):
@@ -121,13 +130,22 @@ class StepStrategy(Protocol):
 
 
 def sde_window(ctx: StepContext) -> StepSelection:
-    """A contiguous window of ``num_sde_steps`` SDE steps inside ``window_range``
-    (default ``[0, T - 1)``), its start drawn from the request seed.
+    """A contiguous window of ``num_sde_steps`` steps inside ``window_range`` (default
+    ``[0, T - 1)``, at most ``[0, T)``), its start drawn from the request seed.
 
     Seeding from the request seed (not per output) means every output of one request, and
     so of one microgroup, shares the window: the engine denoises them as one batch, and a
     replay of the request picks the same window. The draw is flow_grpo's
-    ``randint(lo, hi - size)`` (inclusive), on a local ``random.Random(seed)``.
+    ``randint(lo, hi - size)`` (inclusive) over the given range, on a local
+    ``random.Random(seed)`` (flow_grpo@74db691 ``scripts/train_sd3_fast.py`` hands
+    ``sde_window_size`` and ``sde_window_range`` to its window sampler), so ``0,T`` draws
+    as the reference's default window does.
+
+    The window's steps are SDE steps, but for the last step ``T - 1`` (``sigma' = 0``):
+    a window that reaches it keeps it as the deterministic Euler (ODE) step, with log-prob
+    0 and no train pair. A window of ``n`` steps that includes ``T - 1`` thus trains
+    ``n - 1`` steps (none for ``n = 1``). (flow_grpo never trains its last step either,
+    but its sampler still adds noise on it; here the final latent stays noise-free.)
     """
     n, steps = ctx.num_sde_steps, ctx.num_steps
     if n < 0:
@@ -135,15 +153,16 @@ def sde_window(ctx: StepContext) -> StepSelection:
     if n == 0:
         return StepSelection.build((), steps)
     lo, hi = ctx.window_range if ctx.window_range is not None else (0, steps - 1)
-    if not 0 <= lo < hi <= steps - 1:
+    if not 0 <= lo < hi <= steps:
         raise ValueError(
-            f"sde_window: window [{lo}, {hi}) must satisfy 0 <= lo < hi <= {steps - 1} "
-            f"(--diffusion-num-steps {steps} minus 1: the last step is never an SDE step)"
+            f"sde_window: --diffusion-sde-window-range {lo},{hi}: need 0 <= lo < hi <= --diffusion-num-steps {steps} "
+            f"(a window reaching the last step {steps - 1} runs it deterministically)"
         )
     if n > hi - lo:
         raise ValueError(f"sde_window: --diffusion-num-sde-steps {n} does not fit in the window [{lo}, {hi})")
     start = random.Random(ctx.seed).randint(lo, hi - n)
-    return StepSelection.build(tuple(range(start, start + n)), steps)
+    # The last step (sigma' = 0) stays the deterministic step, never an SDE step.
+    return StepSelection.build(tuple(k for k in range(start, start + n) if k != steps - 1), steps)
 
 
 def epoch_global_random_choice(ctx: StepContext) -> StepSelection:
@@ -198,5 +217,6 @@ def select_steps(config_like: Any, *, seed: int, epoch: int, strategy: StepStrat
         epoch=int(epoch),
         rollout_seed=int(config_like.rollout_seed),
         rollout_id=int(rollout_id),
+        config=getattr(config_like, "config", None) or config_like,
     )
     return strategy(ctx)

@@ -90,7 +90,7 @@ else
     done
     export PIP_CONFIG_FILE=/dev/null  # no index or find-links from this machine's pip configuration
     install=("${pip[@]}" --disable-pip-version-check install --quiet --no-index --find-links "$WHEELS" -c "$constraints")
-    "${install[@]}" miles-core miles-sd3 miles-wan22 miles-ltx miles-qwen-image miles-cosmos3 miles-flux miles-rewards
+    "${install[@]}" miles-core miles-sd3 miles-wan22 miles-ltx miles-qwen-image miles-cosmos3 miles-flux miles-rewards miles-algorithms
     # Same version number, new code: our wheels are reinstalled whenever they were rebuilt.
     "${install[@]}" --no-deps --force-reinstall "$WHEELS"/miles_*.whl
     echo "$wanted" > "$stamp"
@@ -124,7 +124,42 @@ run_section() {  # $1: the section; fails when it does
   return $failed
 }
 
+# --diffusion-generator-device cuda: each output's generator on the model's GPU, seeded
+# seed + i as on the CPU (miles_core.engine.sampler), drawing the initial and then an SDE
+# step's noise. The draw must be finite, the same for a seed twice, and not the CPU's (a
+# CUDA generator's stream differs). Not in the dry run (no GPU there).
+generator_device_check() {
+  "$PY" - <<'PY'
+import torch
+from miles_core.engine.sampler import generator_device, output_generators
+from miles_core.family import per_output_noise
+from miles_core.request import RolloutRequest
+
+class Model:  # what generator_device reads of a family: the device the model runs on
+    device = torch.device("cuda")
+
+def draw(device_field: str) -> torch.Tensor:
+    request = RolloutRequest(prompt="", seed=1234, num_outputs_per_prompt=2, generator_device=device_field)
+    generators = output_generators(request.seed, request.num_outputs_per_prompt, generator_device(request, Model()))
+    initial = per_output_noise((1, 16, 32, 32), generators)
+    sde = per_output_noise((1, 16, 32, 32), generators)  # the next draw of each stream: a step's noise
+    return torch.stack([initial, sde])
+
+first, second, cpu = draw("cuda"), draw("cuda"), draw("cpu")
+same, differs = torch.equal(first, second), not torch.equal(first.cpu(), cpu)
+finite = bool(torch.isfinite(first).all())
+print(f"generator_device cuda: drawn on {first.device}, mean {first.mean().item():.4f}, std {first.std().item():.4f}, "
+      f"finite {finite}, same seed twice equal {same}, max |cuda - cpu| {(first.cpu() - cpu).abs().max().item():.3f} "
+      f"(differs from the CPU draw: {differs})")
+assert first.device.type == "cuda" and finite and same and differs
+PY
+}
+
 status=0
+if [ "$dry_run" = 0 ]; then
+  echo "== generator_device cuda"
+  generator_device_check || { echo "gpu_lane.sh: the generator_device cuda check failed" >&2; status=1; }
+fi
 if [ "$dry_run" = 1 ]; then
   # The dry run's sections are small and independent (each its own processes, ports
   # and temporary folder), so they run side by side; their output follows in section order.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill gpu_wheels/ (ignored by git) with what scripts/gpu_lane.sh installs on a GPU machine
 # that has Python 3.12 and a CUDA torch but no network (docs/benchmarks.md, "GPU lane"):
-#   - our own eight packages (miles-core and the seven plugins), built as wheels from this tree;
+#   - our own nine packages (miles-core and the eight plugins), built as wheels from this tree;
 #   - every other package they need at run time, at the versions this project is tested
 #     with (.venv's, pinned by constraints.txt), as Python 3.12 x86-64 Linux wheels.
 # (GPU_PYTHON_VERSION: another Python version than the GPU machine's 3.12.)
@@ -34,7 +34,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-OURS = {"miles-core", "miles-sd3", "miles-wan22", "miles-ltx", "miles-qwen-image", "miles-cosmos3", "miles-flux", "miles-rewards"}
+OURS = {"miles-core", "miles-sd3", "miles-wan22", "miles-ltx", "miles-qwen-image", "miles-cosmos3", "miles-flux", "miles-rewards", "miles-algorithms"}
 TARGET = {"python_version": sys.argv[2], "python_full_version": f"{sys.argv[2]}.0", "platform_machine": "x86_64", "sys_platform": "linux",
           "platform_system": "Linux", "os_name": "posix", "implementation_name": "cpython", "extra": ""}
 
@@ -84,7 +84,7 @@ cp -r pyproject.toml VERSION README.md LICENSE miles_core plugins "$build"/
 find "$build" \( -name __pycache__ -o -name '*.egg-info' -o -name build \) -prune -exec rm -rf {} +
 (cd "$build" && "$ROOT/$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
   -w "$DEST" . plugins/miles-sd3 plugins/miles-wan22 plugins/miles-ltx plugins/miles-qwen-image \
-  plugins/miles-cosmos3 plugins/miles-flux plugins/miles-rewards)
+  plugins/miles-cosmos3 plugins/miles-flux plugins/miles-rewards plugins/miles-algorithms)
 source_digest > "$DEST/SOURCE_DIGEST"
 
 count=$(ls "$DEST"/*.whl | wc -l)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
 PLUGINS=(plugins/miles-sd3 plugins/miles-wan22 plugins/miles-ltx plugins/miles-qwen-image
-         plugins/miles-cosmos3 plugins/miles-flux plugins/miles-rewards)
+         plugins/miles-cosmos3 plugins/miles-flux plugins/miles-rewards plugins/miles-algorithms)
 
 # The ocr reward's default recogniser is the Tesseract binary (Debian tesseract-ocr, with
 # its English data), installed with apt-get when missing (macOS: brew install tesseract).
@@ -26,9 +26,10 @@ fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned: its CPU build lies on this machine's disk.
 "${pip[@]}" install --quiet -c constraints.txt torch==2.13.0
-# First the eight distributions themselves, then their extras: the test extras name
-# miles-* distributions (the suites run the core on the SD3 family and miles-rewards),
-# which pip finds installed by then instead of looking for them on an index.
+# First the nine distributions themselves, then their extras: the test extras name
+# miles-* distributions (the suites run the core on the SD3 family, miles-rewards and
+# miles-algorithms), which pip finds installed by then instead of looking for them on an
+# index.
 plain=(-e .)
 extras=(-e ".[test,wandb,video,ray,tensorboard]")
 for plugin in "${PLUGINS[@]}"; do plain+=(-e "$plugin"); extras+=(-e "$plugin[test]"); done

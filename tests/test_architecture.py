@@ -27,6 +27,7 @@ FIRST_PARTY = (
     "miles_cosmos3",
     "miles_flux",
     "miles_rewards",
+    "miles_algorithms",
     "miles_example",
     "miles_example_reward",
     "tests",

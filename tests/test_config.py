@@ -194,7 +194,9 @@ def test_visible_gpu_count_honours_cuda_visible_devices(monkeypatch):
         (["--diffusion-noise-level", "-0.1"], "--diffusion-noise-level -0.1: must not be negative"),
         (
             ["--diffusion-sde-window-range", "4,2"],
-            ("--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
+            (
+                "--diffusion-sde-window-range 4,2: need 0 <= lo < hi <= --diffusion-num-steps 10 (a window reaching the last step runs it deterministically)"
+            ),
         ),
         (["--lr-decay-style", "wsd"], "--lr-decay-style wsd requires --lr-wsd-decay-iters"),
         (
@@ -239,7 +241,7 @@ def test_two_d_tile_derives_micro_batch_size():
 
 def test_registry_backed_choices_list_installed():
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--loss-type", "ppo")
-    assert message == "--loss-type ppo: unknown loss; installed: custom_loss, nft, policy_loss, sft_loss"
+    assert message == "--loss-type ppo: unknown loss; installed: custom_loss, flow_dpo, grpo_guard, nft, policy_loss, sft_loss"
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--rm-type", "pickscore2")
     assert (
         "installed: aesthetic, brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, ocr, pickscore, redness" in message
@@ -455,7 +457,18 @@ def test_training_only_rules_warn_in_config_and_list_a_fix():
         (["--ref-mode", "ema"], "--ref-mode ema requires --use-ema (the EMA is the reference)"),
         (
             ["--loss-type", "nft", "--diffusion-kl-beta", "0.1"],
-            "--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)",
+            "--diffusion-kl-beta 0.1 with --loss-type nft measures the KL against the base model (the LoRA adapter "
+            "disabled, as DiffusionNFT does), which needs --use-lora; full fine-tuning keeps no base copy",
+        ),
+        (
+            ["--loss-type", "nft", "--use-lora", "--diffusion-kl-beta", "0.1", "--kl-space", "latent"],
+            "--kl-space latent: --loss-type nft trains on nft_pairs, which have no SDE step means to compare; use "
+            "--kl-space velocity (or leave it unset)",
+        ),
+        (
+            ["--diffusion-kl-beta", "0.04", "--kl-space", "velocity"],
+            "--diffusion-kl-beta 0.04 --kl-space velocity needs a reference policy: --use-lora (reference = LoRA "
+            "disabled) or --use-ema --ref-mode ema",
         ),
     ],
 )

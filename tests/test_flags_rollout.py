@@ -403,15 +403,26 @@ def test_noise_is_drawn_on_the_cpu_and_the_model_goes_where_a_gpu_is(tiny_sd3, m
     from miles_core.errors import ConfigError
     from miles_sd3.family import SD3Family
 
-    # auto and cpu both mean CPU generators, with or without GPUs; cuda is refused with the reason.
+    # auto and cpu both mean CPU generators, with or without GPUs; cuda (the model's GPU)
+    # needs a visible GPU, but where an http engine's servers (elsewhere) draw the noise.
     assert tiny_config(tiny_sd3).diffusion_generator_device == "cpu"
     assert tiny_config(tiny_sd3, "--diffusion-generator-device", "cpu").diffusion_generator_device == "cpu"
+    monkeypatch.setattr("miles_core.config.resolve.visible_gpu_count", lambda: 0)
     with pytest.raises(ConfigError) as caught:
         tiny_config(tiny_sd3, "--diffusion-generator-device", "cuda")
     assert caught.value.messages == [
-        "--diffusion-generator-device cuda: this version draws every output's noise with a CPU generator, so the "
-        "same seed gives the same latents on any device; use cpu (or auto)"
+        "--diffusion-generator-device cuda: no NVIDIA GPU is visible here (the noise is drawn on the model's GPU); use cpu (or auto)"
     ]
+    remote = ["--rollout-engine", "http", "--rollout-engine-urls", "http://127.0.0.1:1"]
+    assert tiny_config(tiny_sd3, *remote, "--diffusion-generator-device", "cuda").diffusion_generator_device == "cuda"
+    monkeypatch.setattr("miles_core.config.resolve.visible_gpu_count", lambda: 1)
+    assert tiny_config(tiny_sd3, "--diffusion-generator-device", "cuda").diffusion_generator_device == "cuda"
+    assert tiny_config(tiny_sd3).diffusion_generator_device == "cpu"  # auto stays the CPU on a GPU machine
+    # The flag reaches every rollout request (control: the default sends cpu).
+    cuda = recorded_rollout(tiny_config(tiny_sd3, "--diffusion-generator-device", "cuda"))
+    assert cuda.requests and {r.generator_device for r in cuda.requests} == {"cuda"}
+    assert {r.generator_device for r in recorded_rollout(tiny_config(tiny_sd3)).requests} == {"cpu"}
+    monkeypatch.undo()
     # The model's device comes from the machine, not from this flag.
     asked = []
 
@@ -425,7 +436,6 @@ def test_noise_is_drawn_on_the_cpu_and_the_model_goes_where_a_gpu_is(tiny_sd3, m
         with pytest.raises(RuntimeError, match="stop before loading"):
             create_engine(tiny_config(tiny_sd3))
     assert asked == ["cuda", "cpu"]
-    # Same seed, same noise: the engine's per-output generators are CPU generators.
     monkeypatch.undo()
 
 

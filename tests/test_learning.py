@@ -35,6 +35,7 @@ at the default seeds and, for how much they vary, at three other seed pairs
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,11 @@ def learning(demo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def frozen(demo, tmp_path_factory):
-    return demo_run(demo, tmp_path_factory.mktemp("frozen") / "run", "--debug-skip-optimizer-step")
+    """The control every learning test shares: the demo's run with frozen weights, as long
+    as the algorithms' runs (its evaluations at rollouts 0, 9 and 11)."""
+    return demo_run(
+        demo, tmp_path_factory.mktemp("frozen") / "run", "--debug-skip-optimizer-step", "--num-rollout", str(ALGORITHM_ROLLOUTS)
+    )
 
 
 def evaluations(records):
@@ -117,7 +122,8 @@ def test_the_guard_raises_the_diversity_alarm_as_the_samples_collapse(learning):
 def test_a_frozen_run_raises_no_alarm(frozen):
     records, lines, path = frozen
     checked = evaluations(records)
-    assert len(checked) == 5 and all(r["guard/alarms"] == 0.0 for r in checked)
+    assert [r["rollout_id"] for r in checked] == [0, 9, ALGORITHM_ROLLOUTS - 1]
+    assert all(r["guard/alarms"] == 0.0 for r in checked)
     assert not (path / "guard.jsonl").exists() and not [line for line in lines if line.startswith("guard: alarm")]
     # Frozen weights: every evaluation is the first one again, bit for bit, and the policy is the reference.
     for record in checked:
@@ -132,3 +138,85 @@ def test_the_demo_script_trains_with_the_shared_flags():
     script = (ROOT / "scripts" / "demo.sh").read_text()
     assert "examples/demo/train.flags" in script and '"${train_flags[@]}"' in script
     assert "--rm-type" not in script and "--num-rollout" not in script  # no second copy of a flag to drift apart
+
+
+# -- the algorithms of miles-algorithms --------------------------------------------------------
+
+ALGORITHM_ROLLOUTS = 12
+"""The issue's budget: at most 12 rollouts per algorithm; each run evaluates at rollout 0 and
+at its last (11), which the frozen control evaluates too."""
+
+ALGORITHMS = {
+    "grpo_guard": ("--loss-type", "grpo_guard"),
+    # A 5-step window over the 7 SDE-able steps, moved by one step every 6 rollouts.
+    "mixgrpo": ("--diffusion-step-strategy-path", "mixgrpo", "--diffusion-num-sde-steps", "5", "--mixgrpo-shift-interval", "6"),
+    "flow_dpo": ("--loss-type", "flow_dpo"),
+}
+"""Each algorithm's flags on top of the demo's (LoRA, so DPO's reference is the base model)."""
+
+_runs: dict[str, tuple] = {}
+
+
+def algorithm_run(demo, tmp_path_factory, name):
+    """The demo's run with ``ALGORITHMS[name]``, 12 rollouts, run once per module."""
+    if name not in _runs:
+        out = tmp_path_factory.mktemp(name) / "run"
+        _runs[name] = demo_run(demo, out, *ALGORITHMS[name], "--num-rollout", str(ALGORITHM_ROLLOUTS), "--eval-interval", "12")
+    return _runs[name]
+
+
+def lower_bound(record, z=2.0):
+    """The paired gain minus ``z`` standard errors: the per-sample gains' spread over the
+    ``sqrt`` of the held-out samples (4 prompts x 4 samples). Samples of one prompt share its
+    content, so this treats them as more independent than they are; ``z`` = 2 leaves room."""
+    samples = 4 * len((ROOT / "examples" / "prompts" / "demo-eval.jsonl").read_text().splitlines())
+    return record["eval/held-out/paired_gain"] - z * record["eval/held-out/paired_gain_std"] / math.sqrt(samples)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_each_algorithm_raises_colorfulness_beyond_the_frozen_control(demo, tmp_path_factory, frozen, name):
+    """A paired gain above zero with a confidence bound after 12 rollouts, where the frozen
+    control (the same evaluation, weights never updated) gains exactly 0."""
+    records, lines, _ = algorithm_run(demo, tmp_path_factory, name)
+    last = records[-1]
+    assert last["rollout_id"] == ALGORITHM_ROLLOUTS - 1 and "eval/held-out/paired_gain" in last
+    control = frozen[0][-1]
+    assert control["rollout_id"] == ALGORITHM_ROLLOUTS - 1 and control["eval/held-out/paired_gain"] == 0.0
+    bound = lower_bound(last)
+    print(
+        f"{name}: paired gain {last['eval/held-out/paired_gain']:.4f} (std {last['eval/held-out/paired_gain_std']:.4f}), bound {bound:.4f}"
+    )
+    assert bound > 0.0
+
+
+def test_the_algorithms_train_as_they_say(demo, tmp_path_factory):
+    """What each run trained on: GRPO-Guard's first step at the rollout's own weights has its
+    normalised ratio at 1, its steps reweighted by 1/|dt|; MixGRPO trained only its window's steps, and the window moved;
+    DPO trained one pair per group whose rewards differ."""
+    guard = algorithm_run(demo, tmp_path_factory, "grpo_guard")[0]
+    # Its old means are the trainer's own forward (the bias term is exactly 0 then); the old
+    # log-probs are the engine's, which the flat micro-batches recompute to within rounding.
+    assert guard[0]["train/ratio_mean_per_step"][0] == pytest.approx(1.0, abs=1e-6)
+    assert guard[0]["train/clipfrac_per_step"][0] == 0.0 and guard[0]["train/reweight_mean_per_step"][0] > 1.0
+    mix = algorithm_run(demo, tmp_path_factory, "mixgrpo")[0]
+    steps = [sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("train/log_prob_abs_diff_step_")) for r in mix]
+    assert steps[:6] == [[0, 1, 2, 3, 4]] * 6 and steps[6:] == [[1, 2, 3, 4, 5]] * 6
+    dpo = algorithm_run(demo, tmp_path_factory, "flow_dpo")[0]
+    assert all(r["train/num_pairs"] + r["train/num_groups_without_preference"] == 2 for r in dpo)
+    assert sum(r["train/num_pairs"] for r in dpo) >= 20
+
+
+@pytest.mark.exercises("--kl-space")
+def test_a_velocity_kl_keeps_the_policy_near_its_reference(demo, tmp_path_factory, learning, frozen):
+    """The demo's run with a velocity-space KL term stays closer to the reference (LoRA off)
+    than the same run without it (the learning run), by the guard's KL at rollout 9; the
+    frozen control's KL is exactly 0."""
+    records, _, _ = demo_run(
+        demo, tmp_path_factory.mktemp("kl") / "run", "--num-rollout", "10", "--diffusion-kl-beta", "0.1", "--kl-space", "velocity"
+    )
+    with_kl = evaluations(records)[-1]
+    without = next(r for r in evaluations(learning[0]) if r["rollout_id"] == 9)
+    assert with_kl["rollout_id"] == 9
+    print(f"guard KL at rollout 9: {with_kl['guard/kl']:.3g} with the velocity KL, {without['guard/kl']:.3g} without")
+    assert 0.0 < with_kl["guard/kl"] < 0.25 * without["guard/kl"]
+    assert evaluations(frozen[0])[1]["guard/kl"] == 0.0

@@ -37,6 +37,10 @@ REPO_PLUGINS = {
             ]
         },
     ),
+    "algorithms": (
+        "miles-algorithms",
+        {"sde_backend": ["dance_sde"], "step_strategy": ["mixgrpo"], "loss": ["grpo_guard", "flow_dpo"]},
+    ),
 }
 
 # Runs list-plugins in-process and reports which heavy libraries it imported.

@@ -1,4 +1,4 @@
-"""Packaging rules: one version for the core and the seven plugins (the VERSION file),
+"""Packaging rules: one version for the core and the eight plugins (the VERSION file),
 lower bounds in install requirements with the exact pins in constraints.txt, the one
 upper cap the code needs (diffusers), and the license file every distribution names."""
 
@@ -13,7 +13,17 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ["miles-core", "miles-sd3", "miles-wan22", "miles-ltx", "miles-qwen-image", "miles-cosmos3", "miles-flux", "miles-rewards"]
+DISTRIBUTIONS = [
+    "miles-core",
+    "miles-sd3",
+    "miles-wan22",
+    "miles-ltx",
+    "miles-qwen-image",
+    "miles-cosmos3",
+    "miles-flux",
+    "miles-rewards",
+    "miles-algorithms",
+]
 PROJECTS = [ROOT, *sorted((ROOT / "plugins").iterdir())]
 CAPPED = {"diffusers"}
 """Requirements allowed an upper bound, each with a comment in pyproject.toml saying why."""

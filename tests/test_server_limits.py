@@ -1,6 +1,6 @@
 """What one ``/rollout/generate`` request may ask of ``miles-core serve-engine``: the
 request limits (per field and in total work) derived from the model, the body cap, the
-cancellation of a request whose client goes away, and sglang's ``generator_device``.
+cancellation of a request whose client goes away, and sglang's ``generator_device`` (cpu or cuda).
 Against real servers on loopback, with the tiny SD3 pipeline."""
 
 from __future__ import annotations
@@ -246,17 +246,44 @@ def test_an_oversized_body_is_refused_with_413(served):
 # -- generator_device -----------------------------------------------------------------
 
 
-def test_generator_device_cpu_is_accepted_and_others_are_refused(served):
+def test_generator_device_cpu_and_cuda_are_served_and_others_are_refused(served, engine, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from miles_core.engine import sampler
+    from miles_core.engine.sampler import generator_device
+
+    # The sampler asks where each request's generators live (a spy: on this CPU-only machine
+    # both answers are the CPU, so the outputs alone could not tell).
+    asked: list[str] = []
+    monkeypatch.setattr(
+        sampler, "generator_device", lambda request, family: asked.append(request.generator_device) or generator_device(request, family)
+    )
+
     plain = {**SMALL, "seed": 5, "request_id": "g"}
+    baseline = unpack_outputs(http(served, GENERATE, plain)[1])
     status, with_cpu = http(served, GENERATE, {**plain, "generator_device": "cpu"})
     assert status == 200
-    assert_same_outputs(unpack_outputs(http(served, GENERATE, plain)[1]), unpack_outputs(with_cpu))
+    assert_same_outputs(baseline, unpack_outputs(with_cpu))
     assert RolloutRequest.from_json({**plain, "generator_device": "cpu"}) == RolloutRequest.from_json(plain)
-    status, body = refusal(http(served, GENERATE, {**plain, "generator_device": "cuda"}))
-    assert status == 400 and body == {
-        "error": "generator_device: 'cuda' is not supported (supported: cpu): every output's noise is drawn by a "
-        "CPU generator seeded seed + i",
-    }
+    # cuda: the generators live on the model's device (here the CPU), so with the model on
+    # the CPU the device draw (initial and SDE noise) is exactly the CPU draw ...
+    cuda = RolloutRequest.from_json({**plain, "generator_device": "cuda"})
+    assert cuda.generator_device == "cuda" and cuda.to_json()["generator_device"] == "cuda"
+    assert generator_device(cuda, engine.family) == engine.family.device == torch.device("cpu")
+    assert generator_device(cuda, SimpleNamespace(device=torch.device("cuda", 0))) == torch.device("cuda", 0)
+    assert generator_device(RolloutRequest.from_json(plain), SimpleNamespace(device=torch.device("cuda", 0))) == torch.device("cpu")
+    asked.clear()
+    status, on_device = http(served, GENERATE, {**plain, "generator_device": "cuda"})
+    assert status == 200 and asked == ["cuda"]
+    assert_same_outputs(baseline, unpack_outputs(on_device))
+    # ... and still the seed's (control: another seed, another sample).
+    other = unpack_outputs(http(served, GENERATE, {**plain, "seed": 6, "generator_device": "cuda"})[1])
+    assert not torch.equal(other[0].generated_output, baseline[0].generated_output)
+    for value, message in (("tpu", "must be one of cpu, cuda, got 'tpu'"), (1, "must be a string, got 1")):
+        status, body = refusal(http(served, GENERATE, {**plain, "generator_device": value}))
+        assert status == 400 and body == {"error": f"generator_device: {message}"}
     assert_serves(served)
 
 

@@ -1,5 +1,6 @@
 """Step strategies: which steps run the SDE, which latents come back, and the config
-rules that keep the last step (sigma' = 0) out of the SDE."""
+rules that keep the last step (sigma' = 0) out of the SDE (a window reaching it:
+tests/test_seed_window.py)."""
 
 from types import SimpleNamespace
 
@@ -100,17 +101,17 @@ def test_last_step_never_selected_across_seeds():
         ({"num_sde_steps": 4, "window_range": (2, 5)}, "sde_window: --diffusion-num-sde-steps 4 does not fit in the window [2, 5)"),
         ({"num_sde_steps": 10}, "sde_window: --diffusion-num-sde-steps 10 does not fit in the window [0, 9)"),
         (
-            {"window_range": (0, 10)},
+            {"window_range": (0, 11)},
             (
-                "sde_window: window [0, 10) must satisfy 0 <= lo < hi <= 9 "
-                "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)"
+                "sde_window: --diffusion-sde-window-range 0,11: need 0 <= lo < hi <= --diffusion-num-steps 10 "
+                "(a window reaching the last step 9 runs it deterministically)"
             ),
         ),
         (
             {"window_range": (5, 5)},
             (
-                "sde_window: window [5, 5) must satisfy 0 <= lo < hi <= 9 "
-                "(--diffusion-num-steps 10 minus 1: the last step is never an SDE step)"
+                "sde_window: --diffusion-sde-window-range 5,5: need 0 <= lo < hi <= --diffusion-num-steps 10 "
+                "(a window reaching the last step 9 runs it deterministically)"
             ),
         ),
         ({"num_sde_steps": -1}, "sde_window: --diffusion-num-sde-steps -1 must not be negative"),
@@ -292,12 +293,18 @@ def config_errors(*extra):
     "extra,expected",
     [
         (
-            ["--diffusion-sde-window-range", "0,10"],
-            ("--diffusion-sde-window-range 0,10: need 0 <= lo < hi <= --diffusion-num-steps 10 - 1 (the last step is never an SDE step)"),
+            ["--diffusion-sde-window-range", "0,11"],
+            (
+                "--diffusion-sde-window-range 0,11: need 0 <= lo < hi <= --diffusion-num-steps 10 "
+                "(a window reaching the last step runs it deterministically)"
+            ),
         ),
         (
-            ["--diffusion-num-steps", "6", "--diffusion-sde-window-range", "2,6"],
-            ("--diffusion-sde-window-range 2,6: need 0 <= lo < hi <= --diffusion-num-steps 6 - 1 (the last step is never an SDE step)"),
+            ["--diffusion-num-steps", "6", "--diffusion-sde-window-range", "5,6"],
+            (
+                "--diffusion-sde-window-range 5,6: the window holds only the last step (--diffusion-num-steps 6 - 1), "
+                "which is never an SDE step: nothing would be trained"
+            ),
         ),
         (
             ["--diffusion-sde-window-range", "2,4", "--diffusion-num-sde-steps", "3"],

@@ -170,7 +170,10 @@ def inert_notes(config: Config, trains_on: str | None = None) -> list[str]:
     supervised = trains_on == "supervised_rows"
     notes = []
     if loss != "custom_loss":
-        for dest, losses in _LOSS_ONLY.items():
+        # The built-in losses' own flags: a plugin's loss, like custom_loss, gets the whole
+        # configuration and may read any of them (GRPO-Guard clips like policy_loss).
+        builtin = {name for losses in _LOSS_ONLY.values() for name in losses} | {"sft_loss"}
+        for dest, losses in _LOSS_ONLY.items() if loss in builtin else ():
             if loss not in losses and _set_away_from_default(config, dest):
                 notes.append(f"{_shown(config, dest)} has no effect with --loss-type {loss} (read by {' and '.join(losses)} only)")
         for dest in _SUPERVISED_ONLY if trains_on is not None and not supervised else ():
@@ -179,17 +182,26 @@ def inert_notes(config: Config, trains_on: str | None = None) -> list[str]:
                     f"{_shown(config, dest)} has no effect with --loss-type {loss} (read only by losses that train on "
                     "supervised rows, e.g. sft_loss)"
                 )
-    if config.get("ref_mode") is not None and config.is_user_set("ref_mode") and loss != "nft" and not config.get("diffusion_kl_beta"):
+    # nft's old policy and DPO's log-ratios read the reference whatever the KL term says.
+    reads_reference = loss == "nft" or trains_on == "preference_pairs"
+    if (
+        config.get("ref_mode") is not None
+        and config.is_user_set("ref_mode")
+        and not reads_reference
+        and not config.get("diffusion_kl_beta")
+    ):
         notes.append(
             f"--ref-mode {config.get('ref_mode')} has no effect: with --diffusion-kl-beta 0 no KL term compares against the reference"
         )
+    if config.get("kl_space") is not None and config.is_user_set("kl_space") and not config.get("diffusion_kl_beta"):
+        notes.append(f"--kl-space {config.get('kl_space')} has no effect: --diffusion-kl-beta is 0 (no KL term)")
     if _set_away_from_default(config, "diffusion_train_iter_order"):
         if config.get("micro_batch_size_sample") is None:
             notes.append(
                 f"{_shown(config, 'diffusion_train_iter_order')} has no effect without the 2-D tile "
                 "(--micro-batch-size-sample and --micro-batch-size-tstep)"
             )
-        elif trains_on in ("nft_pairs", "supervised_rows"):
+        elif trains_on in ("nft_pairs", "supervised_rows", "preference_pairs"):
             notes.append(
                 f"{_shown(config, 'diffusion_train_iter_order')} has no effect with --loss-type {loss}: its micro-batches are flat"
             )
@@ -202,7 +214,7 @@ def inert_notes(config: Config, trains_on: str | None = None) -> list[str]:
             )
     if "--fsdp-cpu-backend" in _placed_by_ray(config):  # elsewhere its hardware note says it already
         notes.extend(fsdp_offload_notes(config))
-    if config.get("diffusion_debug_mode") and trains_on in ("nft_pairs", "supervised_rows"):
+    if config.get("diffusion_debug_mode") and trains_on in ("nft_pairs", "supervised_rows", "preference_pairs"):
         notes.append(
             f"--diffusion-debug-mode has no effect with --loss-type {loss}: the drift metrics compare the "
             "policy loss's recomputed log-probs with the engine's"

@@ -431,7 +431,9 @@ _TABLE: tuple[Flag, ...] = (
         "--diffusion-sde-window-range",
         "int_pair",
         None,
-        "Step window [lo, hi) for the sde_window strategy, 'lo,hi'; defaults to [0, num_inference_steps - 1): the last step is never an SDE step.",
+        "Step window [lo, hi) for the sde_window strategy, 'lo,hi', hi at most --diffusion-num-steps; defaults to "
+        "[0, num_inference_steps - 1). The last step is never an SDE step: a window that reaches it (the reference's "
+        "default [0, num_inference_steps)) runs it as the deterministic Euler step, untrained, so it trains one step fewer.",
         metavar="LO,HI",
         range="[0, inf)",
     ),
@@ -447,7 +449,8 @@ _TABLE: tuple[Flag, ...] = (
     _hook(
         "rollout",
         "--diffusion-step-strategy-path",
-        "Which steps become train pairs; overrides the bare --diffusion-num-sde-steps selection.",
+        "Which steps become train pairs: a registered step strategy's name (miles-core list-plugins; e.g. "
+        "epoch_global_random_choice, mixgrpo) or pkg.mod:func; overrides the bare --diffusion-num-sde-steps selection.",
     ),
     _f("rollout", "--diffusion-log-prob-no-const", "bool", False, "Drop log-prob constants on the engine (pairs with the CPS backend)."),
     _f(
@@ -455,14 +458,16 @@ _TABLE: tuple[Flag, ...] = (
         "--diffusion-generator-device",
         "str",
         "auto",
-        "Device of the per-output noise generators; auto and cpu draw on the CPU (the model itself runs on a GPU when "
-        "one is visible). cuda is refused in this version.",
+        "Device of the per-output noise generators (sent as each request's generator_device): auto and cpu draw on "
+        "the CPU (the model itself runs on a GPU when one is visible); cuda draws on the GPU the model runs on, seeded "
+        "as on the CPU, but a CUDA generator's stream differs from the CPU's, so the latents are reproducible on the "
+        "same GPU type only. cuda needs a visible NVIDIA GPU (but for --rollout-engine http, whose servers draw it).",
         auto=True,
         choices=("auto", "cpu", "cuda"),
         reference_default="cuda",
-        differs="Noise is drawn with CPU generators on every machine, so an output's noise depends only on its seed: "
-        "the embedded engine, our server, sglang-diffusion with generator_device cpu and a rerun on other "
-        "hardware all draw the same latents.",
+        differs="auto draws with CPU generators on every machine, so an output's noise depends only on its seed: the "
+        "embedded engine, our server, sglang-diffusion (sent generator_device cpu) and a rerun on other hardware all "
+        "draw the same latents. cuda (the reference's default) draws on the GPU: not bit-equal across devices.",
     ),
     _f("rollout", "--rollout-patch-group", "str", None, "Comma-separated numeric-parity patch groups, e.g. sgld,ltx."),
     _f(
@@ -956,10 +961,22 @@ _TABLE: tuple[Flag, ...] = (
     ),
     _f(
         "algorithm",
+        "--kl-space",
+        "str",
+        None,
+        "Not in the reference. Where the --diffusion-kl-beta term compares the policy with the reference: latent (Flow-GRPO: the step means, "
+        "mean((mu - mu_ref)^2) / (2 s^2)) or velocity (mean((v - v_ref)^2), DiffusionNFT's); unset: velocity under losses "
+        "that train without SDE transitions (nft), latent otherwise.",
+        choices=("latent", "velocity"),
+        reference_default="(no such flag)",
+        differs="Added: the reference's KL is in latent space only (and nft has none).",
+    ),
+    _f(
+        "algorithm",
         "--ref-mode",
         "str",
         None,
-        "Reference policy for KL; unset picks lora_base when --diffusion-kl-beta > 0 and ema under nft.",
+        "Reference policy for KL (and DPO's log-ratios); unset picks ema under nft (its old policy), else lora_base with LoRA.",
         choices=("none", "lora_base", "ema"),
     ),
     _hook("algorithm", "--custom-prepare-train-batch-path", "Builds the DiT inputs from a train batch."),

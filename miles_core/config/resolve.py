@@ -184,10 +184,12 @@ class _Resolver:
         for dest, value in auto_values.items():
             if self.v(dest) == "auto":
                 c.set(dest, value, Source.MACHINE)
-        if self.v("diffusion_generator_device") == "cuda":
+        if self.v("diffusion_generator_device") == "cuda" and not gpus and self.v("rollout_engine") != "http":
+            # cuda draws on the model's device; without a GPU that would silently be the CPU.
+            # (An http engine's servers, started by hand elsewhere, draw it on theirs.)
             self.fail(
-                "--diffusion-generator-device cuda: this version draws every output's noise with a CPU "
-                "generator, so the same seed gives the same latents on any device; use cpu (or auto)"
+                "--diffusion-generator-device cuda: no NVIDIA GPU is visible here (the noise is drawn on the "
+                "model's GPU); use cpu (or auto)"
             )
         if len(self.errors) == machine_errors and "actor_num_nodes" not in self.out_of_range:
             world = self.v("actor_num_nodes") * self.v("actor_num_gpus_per_node")
@@ -407,6 +409,10 @@ class _Resolver:
             flag = c.flag(dest)
             value = self.v(dest)
             if flag.path_kind is None or value is None:
+                continue
+            if dest == "diffusion_step_strategy_path" and value in registries["step_strategy"]:
+                # A registered strategy's name (a plugin's, e.g. mixgrpo) rather than a path.
+                c.components["step_strategy"] = Component.from_registration(registries["step_strategy"].get(value))
                 continue
             try:
                 resolve_path_flag(flag.name, value, flag.path_kind)
@@ -821,17 +827,24 @@ class _Resolver:
         steps = self.v("diffusion_num_steps")
         if window is None or steps is None or {"diffusion_sde_window_range", "diffusion_num_steps"} & self.out_of_range:
             return
-        if not 0 <= window[0] < window[1] <= steps - 1:
+        # hi may be T (the reference's default window [0, T)): the last step then stays the
+        # deterministic step of the window (step_strategies.sde_window).
+        if not 0 <= window[0] < window[1] <= steps:
             self.fail(
                 f"--diffusion-sde-window-range {window[0]},{window[1]}: need 0 <= lo < hi <= --diffusion-num-steps "
-                f"{steps} - 1 (the last step is never an SDE step)"
+                f"{steps} (a window reaching the last step runs it deterministically)"
+            )
+        elif window[0] == steps - 1:
+            self.fail(
+                f"--diffusion-sde-window-range {window[0]},{window[1]}: the window holds only the last step "
+                f"(--diffusion-num-steps {steps} - 1), which is never an SDE step: nothing would be trained"
             )
 
     def check_step_selection(self) -> None:
         """The step flags against the schedule: the last step (sigma' = 0) is never an SDE
         step, so at most ``T - 1`` steps can be, and a window or candidate list must hold
-        ``--diffusion-num-sde-steps`` of them. The window's bounds are checked in
-        :meth:`check_ranges`."""
+        ``--diffusion-num-sde-steps`` of them (a window reaching the last step holds it as
+        its deterministic step). The window's bounds are checked in :meth:`check_ranges`."""
         steps, n = self.v("diffusion_num_steps"), self.v("diffusion_num_sde_steps")
         if steps is None or n is None or {"diffusion_num_steps", "diffusion_num_sde_steps"} & self.out_of_range:
             return  # already reported by check_declared_ranges
@@ -839,7 +852,7 @@ class _Resolver:
             self.fail(f"--diffusion-num-sde-steps {n} exceeds --diffusion-num-steps {steps} - 1 (the last step is never an SDE step)")
             return  # no window or candidate list can hold that many
         window = self.v("diffusion_sde_window_range")
-        if window is not None and 0 <= window[0] < window[1] <= steps - 1 and window[1] - window[0] < n:
+        if window is not None and 0 <= window[0] < window[1] <= steps and window[1] - window[0] < n:
             self.fail(
                 f"--diffusion-sde-window-range {window[0]},{window[1]}: the window holds {window[1] - window[0]} "
                 f"step(s), fewer than --diffusion-num-sde-steps {n}"
@@ -891,20 +904,7 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
             f"--loss-type {loss} needs stochastic steps, but --diffusion-sde-type {config.diffusion_sde_type} with "
             f"--diffusion-noise-level {config.diffusion_noise_level} samples deterministically (no log-prob to train on)"
         )
-    ref_mode = config.ref_mode
-    if ref_mode is None:  # the reference's automatic choice
-        ref_mode = "ema" if loss == "nft" else ("lora_base" if config.use_lora else "none")
-    if config.diffusion_kl_beta > 0 and ref_mode == "none":
-        errors.append(
-            f"--diffusion-kl-beta {config.diffusion_kl_beta} needs a reference policy: --use-lora (reference = "
-            "LoRA disabled) or --use-ema --ref-mode ema"
-        )
-    if ref_mode == "ema" and not config.use_ema and loss != "nft":
-        errors.append("--ref-mode ema requires --use-ema (the EMA is the reference)")
-    if loss == "nft" and config.ref_mode == "none":
-        errors.append("--ref-mode none: --loss-type nft needs its reference policy (the EMA); use --ref-mode ema or leave it unset")
-    if loss == "nft" and config.diffusion_kl_beta > 0:
-        errors.append("--diffusion-kl-beta with --loss-type nft is not supported yet (the nft loss has no KL term here)")
+    errors.extend(_reference_errors(config, registry.get(loss).spec if loss in registry else None))
     family = registry_spec(host, "model_family", config.model_family)
     if family is not None and config.data_parallel_size > 1 and not config.train_pipeline_config_path:
         trained = {name.strip() for name in str(config.update_weight_target_module).split(",") if name.strip()}
@@ -927,6 +927,89 @@ def training_errors(config: Config, *, host: PluginHost | None = None) -> list[s
     if config.diffusion_step_strategy_path:
         errors.extend(_dry_run_step_strategy(config))
     errors.extend(unavailable_errors(config))
+    return errors
+
+
+def kl_space(config: Any, spec: Any) -> str:
+    """Where the ``--diffusion-kl-beta`` term compares policy and reference: ``--kl-space``,
+    or, unset, ``velocity`` for a loss that trains without SDE transitions (DiffusionNFT's
+    KL) and ``latent`` (Flow-GRPO's) otherwise."""
+    if config.kl_space is not None:
+        return str(config.kl_space)
+    return "latent" if spec is None or spec.trains_on == "sde_transitions" else "velocity"
+
+
+def _reference_errors(config: Config, spec: Any) -> list[str]:
+    """The reference policy a run needs (the KL term, DiffusionNFT's old policy, DPO's
+    log-ratios) exists; the KL term is in a space the loss's data has."""
+    errors: list[str] = []
+    loss = config.loss_type
+    keeps_ema = bool(spec is not None and spec.keeps_ema)
+    ref_mode = config.ref_mode
+    if ref_mode is None:  # the reference's automatic choice
+        ref_mode = "ema" if keeps_ema else ("lora_base" if config.use_lora else "none")
+    beta = config.diffusion_kl_beta
+    space = kl_space(config, spec)
+    transitions = spec is None or spec.trains_on == "sde_transitions"
+    where = f"--kl-space {space} " if config.kl_space is not None else ""
+    if beta > 0 and spec is not None and spec.trains_on == "preference_pairs":
+        errors.append(
+            f"--diffusion-kl-beta {beta}: --loss-type {loss} has no KL term (its log-ratios already compare the policy "
+            "with the reference policy); leave it at 0"
+        )
+    elif beta > 0 and space == "latent" and not transitions:
+        errors.append(
+            f"--kl-space latent: --loss-type {loss} trains on {spec.trains_on}, which have no SDE step means to compare; "
+            "use --kl-space velocity (or leave it unset)"
+        )
+    if beta > 0 and keeps_ema:
+        # DiffusionNFT's KL is against the base model (the adapter disabled), not its old policy (the EMA).
+        if not config.use_lora:
+            errors.append(
+                f"--diffusion-kl-beta {beta} with --loss-type {loss} measures the KL against the base model (the LoRA "
+                "adapter disabled, as DiffusionNFT does), which needs --use-lora; full fine-tuning keeps no base copy"
+            )
+    elif beta > 0 and ref_mode == "none":
+        errors.append(
+            f"--diffusion-kl-beta {beta} {where}needs a reference policy: --use-lora (reference = LoRA disabled) or "
+            "--use-ema --ref-mode ema"
+        )
+    if spec is not None and spec.needs_reference and ref_mode == "none":
+        errors.append(
+            f"--loss-type {loss} compares the policy with a reference policy, and there is none: --use-lora (reference = "
+            "LoRA disabled) or --use-ema --ref-mode ema"
+        )
+    if ref_mode == "ema" and not config.use_ema and not keeps_ema:
+        errors.append("--ref-mode ema requires --use-ema (the EMA is the reference)")
+    if keeps_ema and config.ref_mode == "none":
+        errors.append(f"--ref-mode none: --loss-type {loss} needs its reference policy (the EMA); use --ref-mode ema or leave it unset")
+    if spec is not None and spec.trains_on == "preference_pairs" and config.data_parallel_size > 1:
+        errors.append(
+            f"--loss-type {loss}: preference pairs (one per group whose rewards differ) train on one data-parallel rank in "
+            f"this version, and the data-parallel size is {config.data_parallel_size} (the ranks' shares of pairs would "
+            "differ); use one data-parallel rank (sequence parallelism is fine)"
+        )
+    window = config.diffusion_sde_window_range
+    if (
+        window is not None
+        and window[1] == config.diffusion_num_steps
+        and config.data_parallel_size > 1
+        and transitions
+        and not config.diffusion_step_strategy_path
+    ):
+        errors.append(
+            f"--diffusion-sde-window-range {window[0]},{window[1]}: a window drawn onto the last step trains one step fewer, "
+            f"so the data-parallel ranks (size {config.data_parallel_size}) would hold different numbers of train pairs; use "
+            f"hi <= {window[1] - 1}, or one data-parallel rank"
+        )
+    groups = config.n_samples_per_prompt
+    if spec is not None and groups < spec.min_group_size:
+        errors.append(
+            f"--n-samples-per-prompt {groups}: --loss-type {loss} needs groups of at least {spec.min_group_size} samples "
+            "(a preference pair is a group's best and worst sample)"
+            if spec.trains_on == "preference_pairs"
+            else f"--n-samples-per-prompt {groups}: --loss-type {loss} needs groups of at least {spec.min_group_size} samples"
+        )
     return errors
 
 
@@ -993,11 +1076,12 @@ def registry_spec(host: PluginHost, kind: str, name: str | None) -> Any:
 
 
 def _dry_run_step_strategy(config: Config) -> list[str]:
-    """Run a custom step strategy once on the first rollout's seed, so a missing flag it
+    """Run a chosen step strategy once on the first rollout's seed, so a missing flag it
     needs (``--diffusion-sde-candidate-steps``) is reported before anything loads."""
+    from miles_core.plugin_manager import step_strategy
     from miles_core.step_strategies import select_steps
 
-    strategy = resolve_path_flag("--diffusion-step-strategy-path", config.diffusion_step_strategy_path, "callable")
+    strategy = step_strategy(config)
     try:
         select_steps(config, seed=config.rollout_seed, epoch=0, strategy=strategy)
     except ValueError as exc:

@@ -94,8 +94,9 @@ class EmbeddedEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, config: Any) -> EmbeddedEngine:
-        """The checkpoint and family of the configuration, on the machine's device
-        (``--diffusion-generator-device``) in ``--diffusion-forward-dtype``; a
+        """The checkpoint and family of the configuration, on the machine's device in
+        ``--diffusion-forward-dtype`` (the noise generators' device is each request's
+        ``generator_device``); a
         ``--sde-step-backend-path`` class is served under that path as its name."""
         from miles_core.model_loading import load_family
         from miles_core.refs import resolve_path_flag

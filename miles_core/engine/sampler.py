@@ -2,10 +2,13 @@
 
 One conditioning encode per request; all ``num_outputs_per_prompt`` outputs denoised as
 one batch (or one at a time for families whose forward has no batch dimension). Output
-*i* owns a CPU generator seeded ``seed + i`` that draws its initial noise and then the
+*i* owns a generator seeded ``seed + i`` that draws its initial noise and then the
 noise of each of its SDE steps, so an output does not depend on which other outputs
-share its batch. Steps run through the same :mod:`miles_core.sde` code the trainer uses
-to recompute log-probabilities.
+share its batch. The generator lives on the CPU (the request's ``generator_device``
+``cpu``, the default: the same noise on any machine) or on the model's device
+(``cuda``: the reference's default, reproducible on the same GPU type only). Steps run
+through the same :mod:`miles_core.sde` code the trainer uses to recompute
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def sample(
         else:
             cond = cache.encode(family, request.prompt, request.negative_prompt, params)
         count = request.num_outputs_per_prompt
-        generators = [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(count)]
+        generators = output_generators(request.seed, count, generator_device(request, family))
         batches = [list(range(count))] if family.batched_outputs else [[i] for i in range(count)]
         records: list[RolloutOutput] = []
         for rows in batches:
@@ -243,12 +246,24 @@ def _denoise(
     return outputs
 
 
+def generator_device(request: RolloutRequest, family: ModelFamily) -> torch.device:
+    """Where a request's generators live: the CPU for ``generator_device`` ``cpu``, the
+    device the model runs on (``family.device``) otherwise."""
+    return torch.device("cpu") if request.generator_device == "cpu" else torch.device(family.device)
+
+
+def output_generators(seed: int, count: int, device: torch.device | str) -> list[torch.Generator]:
+    """Output *i*'s generator, on ``device``, seeded ``seed + i`` (every device alike)."""
+    return [torch.Generator(device=device).manual_seed(seed + i) for i in range(count)]
+
+
 def _draw_noise(latents: Latents, generators: Sequence[torch.Generator]) -> Latents:
-    # Per output and per stream, from that output's own generator, on the CPU in fp32:
-    # the draw does not depend on the batch an output shares or on the device.
+    # Per output and per stream, from that output's own generator, on its device in fp32:
+    # the draw does not depend on the batch an output shares (nor, with CPU generators,
+    # on the device the model runs on).
     noise: Latents = {}
     for name, tensor in latents.items():
-        rows = [torch.randn(tensor.shape[1:], generator=g, dtype=torch.float32) for g in generators]
+        rows = [torch.randn(tensor.shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generators]
         noise[name] = torch.stack(rows).to(tensor.device)
     return noise
 

@@ -17,6 +17,10 @@ passes CUDA-IPC handles in pickles, so it serves only colocated GPU runs: there
 :mod:`miles_core.training.ipc_sync` sends it and tells :meth:`SglangEngine.expect_ipc_module`
 what it sent, so that the checksum check works as after a disk sync.
 
+Every request carries ``generator_device`` (``--diffusion-generator-device``: ``cpu``
+unless the run asks for ``cuda``), so sglang-diffusion, whose own default is ``cuda``,
+draws each output's noise where our engine does: with ``cpu``, the same latents.
+
 ``--miles-router-timeout`` bounds each request as for the ``http`` engine. With
 ``--use-fault-tolerance`` the servers are health-checked like an ``http`` fleet's; a dead or
 hung one is relaunched (:meth:`SglangEngine.restart_server`: same command and environment,

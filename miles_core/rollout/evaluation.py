@@ -64,6 +64,7 @@ def eval_requests(config: Any, records: Sequence[PromptRecord], dataset: Any = N
             rollout=False,
             extra_sampling_params=extra_sampling_params(config),
             image_path=None if record.image is None else (record.image,),
+            generator_device=config.diffusion_generator_device,
         )
         for j, record in enumerate(records)
     ]

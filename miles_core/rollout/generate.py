@@ -57,17 +57,22 @@ class RolloutSettings:
     diffusion_log_prob_no_const: bool
     diffusion_debug_mode: bool
     sglang_server_concurrency: int
+    diffusion_generator_device: str = "cpu"
+    """Where the engine's per-output generators draw the noise (the requests' ``generator_device``)."""
     extra_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    config: Any = field(default=None, compare=False, repr=False)
+    """The run's whole configuration, for step strategies that read their own flags
+    (:attr:`miles_core.step_strategies.StepContext.config`)."""
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSettings:
         from dataclasses import fields
 
-        values = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "extra_sampling_params"}
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("extra_sampling_params", "config")}
         if getattr(config, "sde_step_backend_path", None):
             # A one-off backend travels under its path (EmbeddedEngine.from_config registers it so).
             values["diffusion_sde_type"] = config.sde_step_backend_path
-        return cls(**values, extra_sampling_params=extra_sampling_params(config))
+        return cls(**values, extra_sampling_params=extra_sampling_params(config), config=config)
 
     def request(
         self, prompt: str, microgroup: Microgroup, sde_steps: Sequence[int], return_steps: Sequence[int], *, image: str | None = None
@@ -97,6 +102,7 @@ class RolloutSettings:
             rollout_return_step_indices=tuple(return_steps),
             extra_sampling_params=dict(self.extra_sampling_params),
             image_path=None if image is None else (image,),
+            generator_device=self.diffusion_generator_device,
         )
 
 
@@ -201,13 +207,7 @@ async def diffusion_rollout(
 
 
 def strategy_from_config(config: Any) -> StepStrategy:
-    """``--diffusion-step-strategy-path`` when set; otherwise ``ode_and_return_last`` for
-    losses that train without SDE steps (nft) and ``sde_window`` for the rest."""
-    from miles_core.plugin_manager import get_host, loss_spec
-    from miles_core.refs import resolve_path_flag
+    """The run's step strategy (:func:`miles_core.plugin_manager.step_strategy`)."""
+    from miles_core.plugin_manager import step_strategy
 
-    if config.diffusion_step_strategy_path:
-        return resolve_path_flag("--diffusion-step-strategy-path", config.diffusion_step_strategy_path, "callable")
-    trains_on = loss_spec(config).trains_on
-    name = "sde_window" if trains_on == "sde_transitions" else "ode_and_return_last"
-    return get_host().registries.step_strategy.get(name).load()
+    return step_strategy(config)

@@ -428,7 +428,7 @@ def guard_for_run(
 
     reference_kl = getattr(trainer, "reference_kl", None)
     measure_kl = None
-    if loss_spec(config).trains_on == "nft_pairs":
+    if loss_spec(config).trains_on in ("nft_pairs", "preference_pairs"):
         log(
             f"guard: the KL to the reference is not measured: --loss-type {config.loss_type} trains on final latents, "
             "not on the SDE transitions the KL is measured on"

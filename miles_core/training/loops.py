@@ -15,7 +15,7 @@ Loop = Callable[[RunContext], AsyncIterator[tuple[dict[str, Any], Any]]]
 
 def loop_for(spec: LossSpec) -> Loop:
     """The loop that trains ``spec``'s kind of data."""
-    if spec.trains_on in ("sde_transitions", "nft_pairs"):
+    if spec.trains_on in ("sde_transitions", "nft_pairs", "preference_pairs"):
         from miles_core.training.rl_loop import rl_rollouts
 
         return rl_rollouts

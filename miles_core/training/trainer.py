@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from miles_core.engine.sampler import ConditioningCache
-from miles_core.errors import TrainingStopped
+from miles_core.errors import RunError, TrainingStopped
 from miles_core.family import Conditioning, ModelFamily
 from miles_core.plugin_manager import loss_spec
 from miles_core.rollout.sample import Sample
@@ -189,12 +189,32 @@ class Trainer:
         """This rank's train pairs of the latest :meth:`train_rollout` (``--save-debug-train-data``)."""
         self.ema = None
         self.loss_spec = loss_spec(config)
+        from miles_core.config.resolve import kl_space
+
+        self.kl_space = kl_space(config, self.loss_spec)
+        """Where the ``--diffusion-kl-beta`` term compares policy and reference (``--kl-space``)."""
+        means = sorted({"mean", "old_mean"} & set(self.loss_spec.batch_keys))
+        if means and len(family.latent_streams) > 1:
+            # The log-prob is the joint over every stream; one stream's means would not match it.
+            raise RunError(
+                f"--loss-type {config.loss_type} reads the step means ({', '.join(means)}) of one latent stream, and the "
+                f"{family.name} family denoises {len(family.latent_streams)} ({', '.join(family.latent_streams)}); such a loss "
+                "runs on single-stream families in this version"
+            )
+        self.old_means: dict[int, torch.Tensor] = {}
+        """The old policy's step mean of each of this rollout's train pairs (by ``id``), for a
+        loss that asks for ``old_mean``."""
         if config.use_ema or self.loss_spec.keeps_ema:
             # DiffusionNFT's "old" policy is an EMA of the live one (--ref-mode ema, the
             # reference's automatic choice under nft).
             from miles_core.training.ema import EMA
 
             self.ema = EMA.from_config(config, self.named_masters())
+
+    @property
+    def primary(self) -> str:
+        """The family's primary latent stream (the one the losses' tensors are of)."""
+        return self.family.latent_streams[0]
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clip to ``--clip-grad``; a non-finite norm stops the run instead of writing
@@ -484,19 +504,21 @@ class Trainer:
                 # The old policy first: swapping EMA weights in and out after the new
                 # forward would modify tensors its backward needs.
                 v_old = self._reference_velocity(device_x_t, timestep, cond, params)[primary]
+                loss_batch: dict[str, torch.Tensor] = {}
+                if config.diffusion_kl_beta > 0:
+                    # DiffusionNFT's KL reference is the base model (the adapter disabled), not the old policy.
+                    loss_batch["v_ref"] = self._reference_velocity(device_x_t, timestep, cond, params, "lora_base")[primary]
                 v_new = self.family.predict(device_x_t, timestep, cond, params)[primary]
                 adv = torch.tensor([float(advantages[i]) for i, *_ in chunk])
-                loss, metrics = self.loss_fn(
-                    {
-                        "v_new": v_new,
-                        "v_old": v_old,
-                        "x_t": x_t[primary].to(v_new.device),
-                        "x0": x0[primary].to(v_new.device),
-                        "sigma": sigma.to(v_new.device),
-                        "advantages": adv.to(v_new.device),
-                    },
-                    config,
+                loss_batch.update(
+                    v_new=v_new,
+                    v_old=v_old,
+                    x_t=x_t[primary].to(v_new.device),
+                    x0=x0[primary].to(v_new.device),
+                    sigma=sigma.to(v_new.device),
+                    advantages=adv.to(v_new.device),
                 )
+                loss, metrics = self.loss_fn(loss_batch, config)
                 # A share of the whole step's items (of this rank's when nothing is sharded).
                 weight = len(chunk) / (len(items) if self.mesh is not None else mine_count)
                 self._add_micro_batch(sums, loss, metrics, weight)
@@ -512,6 +534,134 @@ class Trainer:
             result["train/num_pairs_frozen"] = len(frozen)
         return result
 
+    # -- online DPO ----------------------------------------------------------------------
+
+    def train_preferences(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:
+        """Online Diffusion-DPO / Flow-DPO on the rollout's preference pairs
+        (:func:`~miles_core.training.preferences.preference_pairs`: each group's best and worst
+        final sample), spread over ``--num-steps-per-rollout`` optimizer steps. Per pair, one
+        schedule step drawn uniformly (a trained denoiser's) and one noise ε re-noise both
+        samples, ``x_t = (1-σ)·x0 + σ·ε``; the loss gets the policy's and the reference
+        policy's velocities on both and the targets ``ε - x0``. Draws come from a generator
+        seeded by ``(--seed, optimizer step)``, as DiffusionNFT's."""
+        from miles_core.training.preferences import preference_pairs
+
+        config = self.config
+        pairs = preference_pairs(samples, [float(a) for a in advantages])
+        per_step: dict[str, list[float]] = defaultdict(list)
+        self.last_pairs = []
+        step_windows = self._step_windows(len(pairs))
+        self._progress_start(len(step_windows))
+        for step, step_window in enumerate(step_windows):
+            window = self._rank_share(step_window)
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.optimizer_steps)
+            # The whole step's draws on every rank, in pair order: each pair gets the step and
+            # noise it gets at world size 1.
+            draws = {id(pairs[index]): self._preference_draw(samples, pairs[index], generator) for index in step_window}
+            chunks = self._preference_chunks(samples, [pairs[index] for index in window], draws, config.micro_batch_size)
+            self._check_plans([[denoiser for denoiser, _ in chunks]], step)
+            if lr_at is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(self.optimizer_steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            for _, chunk in chunks:
+                loss_batch = self._preference_batch(samples, chunk, [draws[id(pair)] for pair in chunk])
+                loss, metrics = self.loss_fn(loss_batch, config)
+                # A share of the whole step's pairs (of this rank's when nothing is sharded).
+                weight = len(chunk) / (len(step_window) if self.mesh is not None else len(window))
+                self._add_micro_batch(sums, loss, metrics, weight)
+            self._end_step(sums, per_step)
+        result = _per_step_summary(per_step)
+        result["train/num_pairs"] = len(pairs)
+        result["train/num_groups_without_preference"] = len({s.group_index for s in samples}) - len(pairs)
+        return result
+
+    def _preference_chunks(
+        self, samples: Sequence[Sample], pairs: list[Any], draws: dict[int, tuple[int, Any]], size: int
+    ) -> list[tuple[str, list[Any]]]:
+        """Consecutive pairs in micro-batches of at most ``size`` that can share a forward:
+        the same denoiser at their drawn steps (Wan 2.2's experts never share one), the same
+        generation parameters and the same tensor shapes
+        (:func:`~miles_core.training.pairs.shares_forward`: an image-conditioned pair never
+        batches with a text-only one). ``(denoiser, pairs)`` per micro-batch."""
+        chunks: list[tuple[str, list[Any]]] = []
+        key = None
+        for pair in pairs:
+            output = samples[pair.chosen].output
+            trajectory = output.dit_trajectory
+            steps = int(trajectory["timesteps"].shape[0])
+            params = params_from_env(output.denoising_env, steps)
+            denoiser = self.family.denoiser_for(trajectory["timesteps"][draws[id(pair)][0]], params)
+            final = {name: trajectory[name][-1] for name in self.family.latent_streams}
+            this = (final, conditioning_from_env(output.denoising_env), params, denoiser)
+            fits = (
+                key is not None and len(chunks[-1][1]) < size and this[2:] == key[2:] and shares_forward(key[0], key[1], this[0], this[1])
+            )
+            if fits:
+                chunks[-1][1].append(pair)
+            else:
+                chunks.append((denoiser, [pair]))
+                key = this
+        return chunks
+
+    def _preference_draw(self, samples: Sequence[Sample], pair: Any, generator: torch.Generator) -> tuple[int, dict[str, torch.Tensor]]:
+        """One pair's schedule step and noise (shared by its chosen and rejected sample)."""
+        output = samples[pair.chosen].output
+        trajectory = output.dit_trajectory
+        steps = int(trajectory["timesteps"].shape[0])
+        eligible = list(range(steps))
+        if self.frozen_components:
+            params = params_from_env(output.denoising_env, steps)
+            eligible = [k for k in eligible if self.family.denoiser_for(trajectory["timesteps"][k], params) in self.modules]
+            if not eligible:
+                raise ValueError(
+                    self._nothing_trainable(
+                        [(c, 0) for c in self.frozen_components], "a preference pair's schedule", "train another denoiser"
+                    )
+                )
+        k = eligible[int(torch.randint(len(eligible), (1,), generator=generator))]
+        noise = {name: torch.randn(trajectory[name][-1].shape, generator=generator) for name in self.family.latent_streams}
+        return k, noise
+
+    def _preference_batch(
+        self, samples: Sequence[Sample], chunk: list[Any], drawn: list[tuple[int, dict[str, torch.Tensor]]]
+    ) -> dict[str, torch.Tensor]:
+        """The loss batch of a micro-batch of preference pairs: one forward of the policy
+        and one of the reference on the chosen rows followed by the rejected rows."""
+        primary = self.primary
+        streams = self.family.latent_streams
+        rows = [pair.chosen for pair in chunk] + [pair.rejected for pair in chunk]
+        steps = [k for k, _ in drawn] * 2
+        noises = [noise for _, noise in drawn] * 2
+        outputs = [samples[i].output for i in rows]
+        sigma = torch.tensor([float(out.dit_trajectory["sigmas"][k]) for out, k in zip(outputs, steps)])
+        x0 = {name: torch.stack([out.dit_trajectory[name][-1] for out in outputs]) for name in streams}
+        noise = {name: torch.stack([n[name] for n in noises]) for name in streams}
+        shape = (-1,) + (1,) * (x0[primary].ndim - 1)
+        x_t = {name: (1 - sigma.view(shape)) * x0[name] + sigma.view(shape) * noise[name] for name in streams}
+        timestep = torch.stack([out.dit_trajectory["timesteps"][k] for out, k in zip(outputs, steps)])
+        cond = Conditioning.cat([conditioning_from_env(out.denoising_env) for out in outputs])
+        params = params_from_env(outputs[0].denoising_env, int(outputs[0].dit_trajectory["timesteps"].shape[0]))
+        device_x_t = {n: v.to(self.family.device, self.family.dtype) for n, v in x_t.items()}
+        # The reference first: swapping weights after the policy's forward would modify
+        # tensors its backward needs.
+        v_ref = self._reference_velocity(device_x_t, timestep, cond, params)[primary]
+        v = self.family.predict(device_x_t, timestep, cond, params)[primary]
+        target = (noise[primary] - x0[primary]).to(v.device)
+        half = len(chunk)
+        return {
+            "v_chosen": v[:half],
+            "v_rejected": v[half:],
+            "ref_v_chosen": v_ref[:half],
+            "ref_v_rejected": v_ref[half:],
+            "target_chosen": target[:half],
+            "target_rejected": target[half:],
+            "sigma": sigma[:half].to(v.device),
+            "reward_chosen": torch.tensor([_reward(samples[p.chosen]) for p in chunk], device=v.device),
+            "reward_rejected": torch.tensor([_reward(samples[p.rejected]) for p in chunk], device=v.device),
+        }
+
     # -- one rollout -----------------------------------------------------------------
 
     def train_rollout(self, samples: Sequence[Sample], advantages: torch.Tensor, lr_at: Any = None) -> dict[str, Any]:
@@ -522,6 +672,8 @@ class Trainer:
         config = self.config
         if self.loss_spec.trains_on == "nft_pairs":
             return self.train_nft(samples, advantages, lr_at)
+        if self.loss_spec.trains_on == "preference_pairs":
+            return self.train_preferences(samples, advantages, lr_at)
         pairs = self.pairs_from(config, samples, advantages)
         # A frozen expert's steps (Wan 2.2 training one expert) are not trained: left out
         # here, from the whole rollout, so every rank leaves out the same ones.
@@ -541,28 +693,33 @@ class Trainer:
                     )
                 )
         trained_samples = {p.sample_index for p in pairs}
-        frozen_samples = {p.sample_index for p in frozen}
         per_step: dict[str, list[float]] = defaultdict(list)
         drift_by_step: dict[int, list[float]] = defaultdict(list)
         windows = []
         for step_window in self._step_windows(len(samples)):
-            if any(i in frozen_samples for i in step_window) and not any(i in trained_samples for i in step_window):
-                continue  # only a frozen expert's steps in these samples: no optimizer step
+            if not any(i in trained_samples for i in step_window):
+                # Only a frozen expert's steps in these samples, or no SDE step at all (a window
+                # drawn onto the last step, which is never trained): no optimizer step.
+                continue
             mine = set(self._rank_share(step_window))
             windows.append([p for p in pairs if p.sample_index in mine])
         pairs = [p for window in windows for p in window]
         self.last_pairs = pairs
         totals = self._policy_totals(windows)
-        if config.diffusion_recompute_old_log_prob:
-            # Window by window, with the micro-batches training will use: the first
-            # step's ratio is then exactly 1.
-            for window in windows:
-                self._recompute_old_log_probs(window)
-        self._progress_start(sum(len(micro_batches(window, config)) for window in windows) if self.on_progress else 0)
-        for index, window in enumerate(windows):
-            metrics = self._optimizer_step(window, drift_by_step, lr_at, None if totals is None else totals[index])
-            for key, value in metrics.items():
-                per_step[key].append(value)
+        wants_means = "old_mean" in self.loss_spec.batch_keys
+        try:
+            if config.diffusion_recompute_old_log_prob or wants_means:
+                # Window by window, with the micro-batches training will use: the first
+                # step's ratio is then exactly 1.
+                for window in windows:
+                    self._recompute_old(window, log_probs=config.diffusion_recompute_old_log_prob, means=wants_means)
+            self._progress_start(sum(len(micro_batches(window, config)) for window in windows) if self.on_progress else 0)
+            for index, window in enumerate(windows):
+                metrics = self._optimizer_step(window, drift_by_step, lr_at, None if totals is None else totals[index])
+                for key, value in metrics.items():
+                    per_step[key].append(value)
+        finally:
+            self.old_means = {}
         result = _per_step_summary(per_step)
         if totals is not None:
             # Every rank's drift per SDE step: (sum, count) pairs gathered (collective).
@@ -615,14 +772,19 @@ class Trainer:
         ]
 
     @torch.no_grad()
-    def _recompute_old_log_probs(self, pairs: list[TrainPair]) -> None:
-        """``--diffusion-recompute-old-log-prob``: the old policy's log-probs from the
-        trainer's own forward (before any update of this rollout) instead of the
-        engine's, so batch-geometry drift between the two never enters the ratio."""
+    def _recompute_old(self, pairs: list[TrainPair], *, log_probs: bool, means: bool) -> None:
+        """The old policy's values from the trainer's own forward, before any update of this
+        rollout: its log-probs (``--diffusion-recompute-old-log-prob``, instead of the
+        engine's, so batch-geometry drift between the two never enters the ratio) and its
+        step means (a loss asking for ``old_mean``, GRPO-Guard's)."""
         for batch in micro_batches(pairs, self.config):
-            log_prob = self._log_prob(on_device(self.prepare(batch), self.family.device))[0]
-            for pair, value in zip(batch, log_prob.tolist()):
-                pair.old_log_prob = value
+            log_prob, _, mean, _ = self._log_prob(on_device(self.prepare(batch), self.family.device))
+            for row, pair in enumerate(batch):
+                if log_probs:
+                    pair.old_log_prob = float(log_prob[row])
+                if means:
+                    # Kept on the CPU: one latent per pair of the whole rollout (video: MBs each).
+                    self.old_means[id(pair)] = mean[row].detach().cpu()
 
     def _optimizer_step(
         self,
@@ -646,10 +808,15 @@ class Trainer:
         # The loss is the mean over the pairs that are not masked (a removed sample still
         # counted for its group's advantages, but trains nothing).
         kept_total = max(1, kept)
+        kl_on = config.diffusion_kl_beta > 0
         for batch in micro_batches(pairs, config):
             data = on_device(self.prepare(batch), self.family.device)
             # The reference forward (which may swap weights) before the policy's graph exists.
-            ref_mean = self._reference_mean(data) if config.diffusion_kl_beta > 0 else None
+            reference = None
+            if kl_on and self.kl_space == "velocity":
+                reference = self._reference_velocity(data["x"], data["timestep"], data["cond"], data["params"])[self.primary]
+            elif kl_on:
+                reference = self._reference_mean(data)
             with torch.set_grad_enabled(not skip):
                 log_prob, velocity, mean, scale = self._log_prob(data)
                 keep = data["loss_mask"] > 0
@@ -658,8 +825,13 @@ class Trainer:
                     "old_log_prob": data["old_log_prob"][keep],
                     "advantages": data["advantages"][keep],
                 }
-                if config.diffusion_kl_beta > 0:
-                    loss_batch.update(mean=mean[keep], ref_mean=ref_mean[keep], std=scale[keep])
+                if kl_on and self.kl_space == "velocity":
+                    loss_batch.update(velocity=velocity[keep], ref_velocity=reference[keep])
+                elif kl_on:
+                    loss_batch.update(mean=mean[keep], ref_mean=reference[keep], std=scale[keep])
+                if self.loss_spec.batch_keys:
+                    extra = self._transition_keys(batch, data, velocity, mean, scale)
+                    loss_batch.update({key: value[keep] for key, value in extra.items()})
                 if bool(keep.any()):
                     loss, metrics = self.loss_fn(loss_batch, config)
                     weight = int(keep.sum()) / kept_total
@@ -682,6 +854,28 @@ class Trainer:
         self.finish_step(sums, skip=skip)
         return dict(sums)
 
+    def _transition_keys(
+        self, batch: list[TrainPair], data: dict[str, Any], velocity: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The :data:`~miles_core.specs.TRANSITION_BATCH_KEYS` the loss's spec asks for, one
+        row per pair of the micro-batch (the primary latent stream's)."""
+        keys = self.loss_spec.batch_keys
+        out: dict[str, torch.Tensor] = {}
+        if "mean" in keys:
+            out["mean"] = mean
+        if "old_mean" in keys:
+            out["old_mean"] = torch.stack([self.old_means[id(pair)] for pair in batch]).to(mean.device)
+        if "noise_scale" in keys:
+            out["noise_scale"] = scale
+        if "transition_std" in keys:
+            x = data["x"][self.primary]
+            _, std = self.backend.mean_std(x, velocity.detach(), data["sigma"], data["sigma_next"], sigma_max=data["sigma_max"])
+            out["transition_std"] = std.expand((x.shape[0],) + (1,) * (x.ndim - 1))
+        for key in ("sigma", "sigma_next"):
+            if key in keys:
+                out[key] = data[key]
+        return out
+
     def _log_prob(self, data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         family = self.family
         velocity = family.predict(data["x"], data["timestep"], data["cond"], data["params"])
@@ -698,8 +892,8 @@ class Trainer:
         return result.log_prob, velocity[primary], result.mean[primary], result.noise_scale
 
     def reference_mode(self) -> str:
-        """``--ref-mode``, or the reference's automatic choice: ``ema`` under nft,
-        ``lora_base`` when the KL term is on."""
+        """``--ref-mode``, or the automatic choice: ``ema`` for a loss that keeps an EMA
+        (nft's old policy), else ``lora_base`` under LoRA, else ``none``."""
         mode = self.config.ref_mode
         if mode is None:
             mode = "ema" if self.loss_spec.keeps_ema else ("lora_base" if self.config.use_lora else "none")
@@ -765,7 +959,7 @@ class Trainer:
             finally:
                 for module in modules:
                     module.enable_adapters()
-        raise ValueError(f"--ref-mode {mode}: the KL term and nft need a reference policy (lora_base or ema)")
+        raise ValueError(f"--ref-mode {mode}: the KL term, nft and DPO need a reference policy (lora_base or ema)")
 
     @torch.no_grad()
     def _reference_mean(self, data: dict[str, Any], mode: str | None = None) -> torch.Tensor:
@@ -833,6 +1027,11 @@ def nft_micro_batches(
                     kept, rows = [], {name: [] for name in streams}
         if kept:
             yield kept, {name: torch.stack(values) for name, values in rows.items()}
+
+
+def _reward(sample: Sample) -> float:
+    """A sample's reward for the metrics (NaN when it has none)."""
+    return float("nan") if sample.reward is None else float(sample.reward)
 
 
 def _accumulate(sums: dict[str, float], loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:

@@ -204,7 +204,7 @@ class Cosmos3Family(ModelFamily):
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
         shape = (1, *self._latent_shape(params))
-        # One draw per output from its own CPU generator, in fp32 as the pipeline's
+        # One draw per output from its own generator (CPU by default), in fp32 as the pipeline's
         # prepare_latents (randn_tensor with sampling dtype fp32) draws it.
         noise = per_output_noise(shape, generators)
         return {"latents": noise.to(self.device, self.dtype)}

@@ -242,8 +242,8 @@ class LtxFamily(ModelFamily):
         for generator in generators:
             # Video first, then audio, from the output's own generator: the order in which
             # LTX2Pipeline draws them (prepare_latents, then prepare_audio_latents).
-            videos.append(torch.randn(video_shape, generator=generator, dtype=torch.float32))
-            audios.append(torch.randn(audio_shape, generator=generator, dtype=torch.float32))
+            videos.append(torch.randn(video_shape, generator=generator, device=generator.device, dtype=torch.float32))
+            audios.append(torch.randn(audio_shape, generator=generator, device=generator.device, dtype=torch.float32))
         video = pipe._pack_latents(torch.cat(videos), pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
         audio = pipe._pack_audio_latents(torch.cat(audios))
         # Packing leaves permuted views; contiguous copies make every later step (and the

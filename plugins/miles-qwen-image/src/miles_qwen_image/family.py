@@ -178,10 +178,13 @@ class QwenImageFamily(ModelFamily):
         h, w = self._latent_grid(params)
         channels = self._latent_channels()
         pack = type(self.pipeline)._pack_latents
-        # One draw per output from its own CPU generator in the pipeline's unpacked layout
+        # One draw per output from its own generator (on its device) in the pipeline's unpacked layout
         # [1, 1, C, h, w] (randn_tensor with a generator list draws exactly this per row),
         # then packed into 2x2 tokens.
-        noise = [pack(torch.randn((1, 1, channels, h, w), generator=g, dtype=torch.float32), 1, channels, h, w) for g in generators]
+        noise = [
+            pack(torch.randn((1, 1, channels, h, w), generator=g, device=g.device, dtype=torch.float32), 1, channels, h, w)
+            for g in generators
+        ]
         return {"latents": torch.cat(noise).to(self.device, self.dtype)}
 
     def schedule(self, params: GenerationParams) -> Schedule:

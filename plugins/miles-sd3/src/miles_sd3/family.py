@@ -118,8 +118,8 @@ class SD3Family(ModelFamily):
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
         shape = (1, *self._latent_shape(params))
-        # One draw per output from its own CPU generator: an output's noise depends only
-        # on its seed, not on the batch it is in or the device.
+        # One draw per output from its own generator (a CPU one unless the request asks for
+        # the device's): an output's noise depends only on its seed, not on its batch.
         noise = per_output_noise(shape, generators)
         # The pipeline casts given latents to the prompt-embedding dtype (the family dtype).
         return {"latents": noise.to(self.device, self.dtype)}

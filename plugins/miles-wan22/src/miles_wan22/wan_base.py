@@ -163,7 +163,7 @@ class WanFamilyBase(ModelFamily):
 
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
         shape = (1, *self._latent_shape(params))
-        # One fp32 draw per output from its own CPU generator: what WanPipeline.prepare_latents
+        # One fp32 draw per output from its own generator (CPU by default): what WanPipeline.prepare_latents
         # (randn_tensor with a list of generators) draws for each row.
         noise = per_output_noise(shape, generators)
         return {"latents": noise.to(self.device, self.dtype)}
