@@ -244,7 +244,8 @@ def test_registry_backed_choices_list_installed():
     assert message == "--loss-type ppo: unknown loss; installed: custom_loss, flow_dpo, grpo_guard, nft, policy_loss, sft_loss"
     (message,) = errors_of(*SD35, "--rollout-batch-size", "1", "--rm-type", "pickscore2")
     assert (
-        "installed: aesthetic, brightness, colorfulness, jpeg_compressibility, jpeg_incompressibility, ocr, pickscore, redness" in message
+        "installed: aesthetic, brightness, clipscore, colorfulness, hpsv2, jpeg_compressibility, jpeg_incompressibility, "
+        "motion_magnitude, ocr, pickscore, redness, temporal_consistency" in message
     )
     c = resolve(*SD35, "--rollout-batch-size", "1", "--rm-type", "jpeg_compressibility")
     assert c.components["reward"].provider.startswith("miles-rewards ")

@@ -33,6 +33,10 @@ REPO_PLUGINS = {
                 "colorfulness",
                 "pickscore",
                 "aesthetic",
+                "clipscore",
+                "temporal_consistency",
+                "motion_magnitude",
+                "hpsv2",
                 "ocr",
             ]
         },

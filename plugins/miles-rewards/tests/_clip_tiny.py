@@ -105,3 +105,36 @@ def config_errors(*args: str) -> list[str]:
     except ConfigError as exc:
         return list(exc.messages)
     return []
+
+
+def reference_clip_pixels(image: Image.Image, size: int, crop: int, mean, std) -> torch.Tensor:
+    """OpenAI CLIP's preprocessing as torchvision composes it (``Resize(size, BICUBIC)``,
+    ``CenterCrop(crop)``, RGB, ``ToTensor``, ``Normalize``), written out independently of
+    the plugin: short side to ``size`` with the long side truncated, Pillow BICUBIC; the
+    crop offset ``int(round((L - crop) / 2))`` (round half to even); normalised in float64."""
+    width, height = image.size
+    if width <= height:
+        new = (size, int(size * height / width))
+    else:
+        new = (int(size * width / height), size)
+    if new != (width, height):
+        image = image.resize(new, Image.BICUBIC)
+    array = np.asarray(image.convert("RGB"), dtype=np.float64)
+    top, left = int(round((array.shape[0] - crop) / 2.0)), int(round((array.shape[1] - crop) / 2.0))
+    array = array[top : top + crop, left : left + crop] / 255.0
+    array = (array - np.asarray(mean, dtype=np.float64)) / np.asarray(std, dtype=np.float64)
+    return torch.from_numpy(array.transpose(2, 0, 1).copy())
+
+
+def save_clip_processor(directory: Path, **image_processor_kwargs) -> Path:
+    """The tiny CLIP processor alone (a processor directory without a model), with
+    ``image_processor_kwargs`` overriding the image processor's settings."""
+    from transformers import CLIPImageProcessorPil, CLIPProcessor
+
+    from miles_core.tiny.tokenizers import clip_tokenizer
+
+    settings = dict(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    CLIPProcessor(
+        image_processor=CLIPImageProcessorPil(**{**settings, **image_processor_kwargs}), tokenizer=clip_tokenizer()
+    ).save_pretrained(directory)
+    return directory

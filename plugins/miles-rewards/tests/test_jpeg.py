@@ -102,6 +102,10 @@ def test_registered_and_light():
         "colorfulness": "miles_rewards.diagnostic:Colorfulness",
         "pickscore": "miles_rewards.pickscore:PickScore",
         "aesthetic": "miles_rewards.aesthetic:Aesthetic",
+        "clipscore": "miles_rewards.clipscore:ClipScore",
+        "temporal_consistency": "miles_rewards.video:TemporalConsistency",
+        "motion_magnitude": "miles_rewards.video:MotionMagnitude",
+        "hpsv2": "miles_rewards.hpsv2:HPSv2",
         "ocr": "miles_rewards.ocr:OcrReward",
     }
     code = "import sys, miles_rewards.plugin; print(sorted(m for m in ('torch', 'PIL', 'numpy') if m in sys.modules))"

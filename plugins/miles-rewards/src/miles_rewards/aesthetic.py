@@ -125,7 +125,7 @@ class Aesthetic(ClipFrameReward):
     name = "aesthetic"
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
+        super().__init__(config)
         self.batch_size = int(config.aesthetic_batch_size)
         self.num_frames = config.aesthetic_num_frames
         self.device = reward_device()

@@ -43,7 +43,7 @@ class PickScore(ClipFrameReward):
     needs_prompts = True
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
+        super().__init__(config)
         self.batch_size = int(config.pickscore_batch_size)
         self.num_frames = config.pickscore_num_frames
         self.device = reward_device()

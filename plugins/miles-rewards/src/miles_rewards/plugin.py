@@ -52,6 +52,35 @@ def miles_register_rewards() -> list[RewardSpec]:
             uses_gpu=True,
         ),
         RewardSpec(
+            name="clipscore",
+            ref="miles_rewards.clipscore:ClipScore",
+            description="CLIPScore (Hessel et al. 2021): 2.5 * max(cos(CLIP image, CLIP text 'A photo depicts <prompt>'), 0), "
+            "in [0, 2.5] (--clipscore-model-path)",
+            uses_gpu=True,
+        ),
+        RewardSpec(
+            name="temporal_consistency",
+            ref="miles_rewards.video:TemporalConsistency",
+            description="video: mean cosine similarity of consecutive frames' CLIP image embeddings, in [-1, 1] "
+            "(the CLIPScore model, --clipscore-model-path)",
+            modality=("video",),
+            uses_gpu=True,
+        ),
+        RewardSpec(
+            name="motion_magnitude",
+            ref="miles_rewards.video:MotionMagnitude",
+            description="video: mean |frame_t+1 - frame_t| of the uint8 frames / 255, in [0, 1]; weight-free "
+            "(1 - VBench's temporal_flickering)",
+            modality=("video",),
+        ),
+        RewardSpec(
+            name="hpsv2",
+            ref="miles_rewards.hpsv2:HPSv2",
+            description="HPSv2 / HPSv2.1: cos(CLIP image, CLIP text) of the open_clip ViT-H/14 preference model "
+            "on transformers' CLIP, about 0.2-0.35, no 100x (--hpsv2-checkpoint-path, --hpsv2-tokenizer-path)",
+            uses_gpu=True,
+        ),
+        RewardSpec(
             name="ocr",
             ref="miles_rewards.ocr:OcrReward",
             description="OCR of the prompt's quoted text: 1 - min(levenshtein, len) / len of the normalised target, "
@@ -62,7 +91,7 @@ def miles_register_rewards() -> list[RewardSpec]:
 
 @hookimpl
 def miles_add_arguments() -> list[Flag]:
-    # The reference's reward flags, and the aesthetic reward's; they exist exactly when this
+    # The reference's reward flags, and those of the rewards added here; they exist exactly when this
     # plugin is installed. The reference's PickScore worker flags are other names for the
     # core's reward-worker flags, which size the workers of every reward.
     return [
@@ -150,6 +179,77 @@ def miles_add_arguments() -> list[Flag]:
             help="Frames of a video scored by the aesthetic reward, spread evenly as --pickscore-num-frames; unset scores all frames.",
         ),
         Flag(
+            name="--clipscore-model-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP model of the clipscore reward, also the image encoder of temporal_consistency (hub id or local "
+            "directory; the paper's is openai/clip-vit-base-patch32); required with --rm-type clipscore or "
+            "temporal_consistency.",
+        ),
+        Flag(
+            name="--clipscore-processor-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP processor (tokenizer and image-processor settings) of the clipscore and temporal_consistency "
+            "rewards (hub id or local directory); unset uses --clipscore-model-path.",
+        ),
+        Flag(
+            name="--clipscore-batch-size",
+            group="reward",
+            type="int",
+            default=8,
+            range="[1, inf)",
+            help="Images (video frames) per CLIP forward of the clipscore and temporal_consistency rewards.",
+        ),
+        Flag(
+            name="--clipscore-num-frames",
+            group="reward",
+            type="int",
+            default=None,
+            range="[1, inf)",
+            help="Frames of a video scored by clipscore, spread evenly as --pickscore-num-frames; unset scores all frames.",
+        ),
+        Flag(
+            name="--reward-frame-aggregation",
+            group="reward",
+            choices=FRAME_AGGREGATIONS,
+            default="mean",
+            help="How the CLIP frame rewards (pickscore, aesthetic, clipscore, hpsv2) turn a video's frame scores into its "
+            "reward: mean (of the frames --<reward>-num-frames picks), min (the worst of them), first or last (the "
+            "video's first or last frame alone, whatever --<reward>-num-frames is). An image is one frame.",
+        ),
+        Flag(
+            name="--hpsv2-checkpoint-path",
+            group="reward",
+            metavar="PATH",
+            help="The HPSv2 checkpoint file, HPS_v2.1_compressed.pt or HPS_v2_compressed.pt from the hub repo "
+            "xswu/HPSv2 (open_clip ViT-H/14 weights under 'state_dict', read with torch.load(weights_only=True)); "
+            "required with --rm-type hpsv2.",
+        ),
+        Flag(
+            name="--hpsv2-tokenizer-path",
+            group="reward",
+            metavar="PATH",
+            help="CLIP tokenizer of the hpsv2 reward, OpenAI CLIP's BPE (hub id or local directory, e.g. "
+            "openai/clip-vit-large-patch14); required with --rm-type hpsv2.",
+        ),
+        Flag(
+            name="--hpsv2-batch-size",
+            group="reward",
+            type="int",
+            default=8,
+            range="[1, inf)",
+            help="Images (video frames) per HPSv2 forward.",
+        ),
+        Flag(
+            name="--hpsv2-num-frames",
+            group="reward",
+            type="int",
+            default=None,
+            range="[1, inf)",
+            help="Frames of a video scored by hpsv2, spread evenly as --pickscore-num-frames; unset scores all frames.",
+        ),
+        Flag(
             name="--ocr-backend",
             group="reward",
             choices=OCR_BACKENDS,
@@ -186,6 +286,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _REQUIRED = {
     "pickscore": ("pickscore_model_path", "pickscore_processor_path"),
     "aesthetic": ("aesthetic_clip_path", "aesthetic_head_path"),
+    "clipscore": ("clipscore_model_path",),
+    "temporal_consistency": ("clipscore_model_path",),
+    "hpsv2": ("hpsv2_checkpoint_path", "hpsv2_tokenizer_path"),
 }
 
 
@@ -216,7 +319,14 @@ def _weight_path_errors(config: Any) -> list[str]:
                 for dest in dests
                 if not config.get(dest)
             )
-    for dest in ("pickscore_model_path", "pickscore_processor_path", "aesthetic_clip_path"):
+    for dest in (
+        "pickscore_model_path",
+        "pickscore_processor_path",
+        "aesthetic_clip_path",
+        "clipscore_model_path",
+        "clipscore_processor_path",
+        "hpsv2_tokenizer_path",
+    ):
         path = config.get(dest)
         if not path:
             continue
@@ -226,6 +336,9 @@ def _weight_path_errors(config: Any) -> list[str]:
             errors.append(f"{flag} {path}: not a directory (a saved model directory or a hub id is expected)")
         elif not local.exists() and not _HUB_ID.match(path):
             errors.append(f"{flag} {path}: no such directory (nor a hub id like org/name)")
+    checkpoint = config.get("hpsv2_checkpoint_path")
+    if checkpoint and not Path(checkpoint).expanduser().is_file():
+        errors.append(f"--hpsv2-checkpoint-path {checkpoint}: no such file")
     head = config.get("aesthetic_head_path")
     if head:
         local = Path(head).expanduser()
@@ -235,6 +348,9 @@ def _weight_path_errors(config: Any) -> list[str]:
             errors.append(f"--aesthetic-head-path {head}: expected a .safetensors, .pth, .pt or .bin file")
     return errors
 
+
+FRAME_AGGREGATIONS = ("mean", "min", "first", "last")
+"""--reward-frame-aggregation's rules (miles_rewards.clip_models.aggregate_frames)."""
 
 OCR_BACKENDS = ("tesseract", "easyocr", "paddleocr")
 # What to install for each ocr backend: the one-line errors of the configuration check
