@@ -200,8 +200,9 @@ def test_unknown_reward_names_list_the_installed_ones():
         score(scorer, samples)
     message = str(info.value)
     assert message.startswith("metadata rm_type of sample 'prompt 0' (seed 100): reward 'brightnes': unknown reward; installed: ")
-    assert "brightness, colorfulness" in message and "\n" not in message
-    with pytest.raises(ConfigError, match="^--rm-type brightnes: unknown reward; installed: .*brightness, colorfulness"):
+    installed = message.split("installed: ", 1)[1].split(", ")
+    assert {"brightness", "colorfulness"} <= set(installed) and installed == sorted(installed) and "\n" not in message
+    with pytest.raises(ConfigError, match="^--rm-type brightnes: unknown reward; installed: .*brightness, .*colorfulness"):
         resolve("--rm-type", "brightnes")
 
 
