@@ -89,6 +89,14 @@ _LAZY: dict[str, str] = {
     # Rollout samples (what rewards, filters and rollout functions receive).
     "Sample": "miles_core.rollout.sample",
     "FilterOutput": "miles_core.rollout.filters",
+    # Rewards that call a server: retries with backoff over URLs, bounded concurrency.
+    "RETRY_STATUSES": "miles_core.reward_service.retry",
+    "Answer": "miles_core.reward_service.retry",
+    "CallFailed": "miles_core.reward_service.retry",
+    "RetryPolicy": "miles_core.reward_service.retry",
+    "gather_bounded": "miles_core.reward_service.retry",
+    "post_with_retries": "miles_core.reward_service.retry",
+    "run_in_new_loop": "miles_core.reward_service.retry",
     # Tokenizers built offline for tiny pipelines.
     "clip_tokenizer": "miles_core.tiny.tokenizers",
     "gemma_tokenizer": "miles_core.tiny.tokenizers",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_core.hookspecs import hookimpl
-from miles_core.specs import LossSpec, RolloutEngineSpec, RolloutFilterSpec, SdeBackendSpec, StepStrategySpec
+from miles_core.specs import LossSpec, RewardSpec, RolloutEngineSpec, RolloutFilterSpec, SdeBackendSpec, StepStrategySpec
 
 
 @hookimpl
@@ -98,6 +98,18 @@ def miles_register_rollout_filters() -> list[RolloutFilterSpec]:
             ref="miles_core.rollout.filters:pop_first",
             description="Train on the first --rollout-batch-size groups, in order (the reference's default)",
             stage="buffer",
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_rewards() -> list[RewardSpec]:
+    return [
+        RewardSpec(
+            name="remote",
+            ref="miles_core.reward_service.remote:RemoteReward",
+            description="Any reward served by miles-core serve-reward servers (--rm-url URL ...): batched, "
+            "retried on the next URL, failures masked",
         ),
     ]
 

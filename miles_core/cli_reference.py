@@ -91,6 +91,23 @@ def render(host: PluginHost) -> str:
         "`--custom-config-path`) choose the reward, and `--prompt-data`, `--input-key` and "
         "`--metadata-key` read rows as in training.",
         "",
+    ]
+    from miles_core.cli.serve_reward import add_serve_arguments
+
+    serving = OneLineParser(prog="miles-core serve-reward")
+    add_serve_arguments(serving)
+    out += [
+        "### `miles-core serve-reward`\n",
+        "```text",
+        _usage(serving),
+        "```",
+        "",
+        "Also takes every training flag below; the reward flags (`--rm-type`, `--reward-weights`, "
+        "`--custom-rm-path`, `--reward-key`, `--group-rm`, the rewards' own flags, "
+        "`--custom-config-path`) choose the reward served, and `--api-key`, `--api-key-file` "
+        "(or `MILES_API_KEY`) the key every request but `GET /health` must carry. Routes and the "
+        'wire: docs/rewards.md, "Rewards as a service".',
+        "",
         "### `miles-core config`\n",
         "Takes every training flag below. Prints the configuration as YAML: the flags by "
         "group, `resolved` (model family, world and data-parallel sizes, `--sglang-*` "

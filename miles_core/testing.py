@@ -272,6 +272,114 @@ def serve_engine_in_thread(engine: Any, timeout: float = 30.0) -> Iterator[str]:
             loop.close()
 
 
+def scoring_samples(outputs: Sequence[Any], prompts: Sequence[str] | None = None) -> list[Any]:
+    """Rollout samples holding ``outputs`` (images ``[C, H, W]`` or videos ``[C, F, H, W]``),
+    one prompt group each, as a reward scorer (``RewardScorer.score``) receives them;
+    ``prompts`` default to ``prompt 0``, ``prompt 1``, ..."""
+    from miles_core.request import RolloutOutput
+    from miles_core.rollout.sample import Sample
+
+    prompts = list(prompts) if prompts is not None else [f"prompt {i}" for i in range(len(outputs))]
+    return [
+        Sample(
+            prompt=prompt,
+            metadata={},
+            rollout_id=0,
+            group_index=i,
+            index_in_group=0,
+            seed=i,
+            sde_step_indices=(),
+            output=RolloutOutput(request_id=f"r{i}", prompt=prompt, seed=i, generated_output=output),
+        )
+        for i, (output, prompt) in enumerate(zip(outputs, prompts, strict=True))
+    ]
+
+
+@contextmanager
+def serve_reward_in_thread(config: Any, *, api_key: str | None = None, timeout: float = 60.0) -> Iterator[str]:
+    """Serve ``config``'s reward with serve-reward's application from an event loop of its
+    own in a background thread; yield its base URL once ``GET /health`` answers 200 (an
+    AssertionError with the server's reason when the reward fails to build), and always
+    stop it. ``--rm-type remote`` then scores through it over loopback HTTP."""
+    import asyncio
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from miles_core.reward_service.server import create_reward_app, start_reward_server
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="reward-server", daemon=True)
+    thread.start()
+    try:
+        app = create_reward_app(config, api_key=api_key)
+        server = asyncio.run_coroutine_threadsafe(start_reward_server(app), loop).result(timeout)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    with urllib.request.urlopen(server.url + "/health", timeout=timeout) as answer:
+                        if answer.status == 200:
+                            break
+                except urllib.error.HTTPError as exc:
+                    body = json.loads(exc.read() or b"{}")
+                    if body.get("status") == "failed" or time.monotonic() > deadline:
+                        raise AssertionError(f"the reward server did not become healthy: {body}") from None
+                time.sleep(0.02)
+            yield server.url
+        finally:
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if not thread.is_alive():
+            loop.close()
+
+
+@contextmanager
+def serve_reward_process(
+    *args: str, log_path: str | Path, env: dict[str, str] | None = None, timeout: float = 90.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start ``miles-core serve-reward ARGS`` (a free loopback port, one torch thread) in a
+    process of its own; wait (at most ``timeout`` seconds) until it says it serves, yield
+    ``(base URL, process)`` and always stop it (SIGKILL when SIGTERM does not). Its stderr
+    goes to ``log_path``, quoted when it dies early."""
+    import os
+    import time
+
+    log = Path(log_path)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles_core.cli.main", "serve-reward", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=environment,
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        url = None
+        while url is None:
+            for line in log.read_text().splitlines():
+                if line.startswith("serving reward ") and " on http" in line:
+                    url = line.rsplit(" on ", 1)[1].strip()
+            if url is None:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"serve-reward did not start serving:\n{log.read_text()}")
+                time.sleep(0.05)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def assert_matched_by_content(tiny_dir: str | Path, family_name: str, workdir: str | Path) -> Path:
     """A copy of ``tiny_dir`` named ``workdir/my-finetune`` is matched to ``family_name``
     among every installed family by what it is (``model_index.json`` and the component

@@ -4,7 +4,9 @@ reward class registered by the tests; log functions that keep a run's scored sam
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,24 @@ class Tones:
     def __call__(self, outputs, prompts=None, metadata=None) -> list[dict[str, float]]:
         arrays = [np.asarray(o, dtype=np.float64) for o in outputs]
         return [{"brightness": float(a.mean()), "contrast": float(a.std())} for a in arrays]
+
+
+async def slow_mean(args: Any, samples: list[Any]) -> list[float]:
+    """Mean pixel value, after a line per call in the file ``$MILES_TEST_REWARD_MARK`` (when
+    set) and ``$MILES_TEST_REWARD_SECONDS`` (default 0.3) of sleep: a reward server slow
+    enough to be killed while it scores."""
+    mark = os.environ.get("MILES_TEST_REWARD_MARK")
+    if mark:
+        with open(mark, "a") as file:
+            file.write(f"{len(samples)}\n")
+    await asyncio.sleep(float(os.environ.get("MILES_TEST_REWARD_SECONDS", "0.3")))
+    return [float(np.asarray(s.pixels, dtype=np.float64).mean()) for s in samples]
+
+
+async def hangs(args: Any, samples: list[Any]) -> list[float]:
+    """Never answers in a test's time (a hung reward server)."""
+    await asyncio.sleep(3600)
+    return [0.0 for _ in samples]
 
 
 async def log_rollout(rollout_id: int, args: Any, samples: Any, metrics: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("miles_core.cli.score", "Score image files with a reward (--rm-type ...), as a training run would"),
     "generate": ("miles_core.cli.generate", "Sample a checkpoint (optionally with a LoRA) to image or video files"),
     "serve-engine": ("miles_core.cli.serve_engine", "Serve a model over HTTP as a rollout engine (POST /rollout/generate)"),
+    "serve-reward": ("miles_core.cli.serve_reward", "Serve a reward over HTTP (POST /score), for --rm-type remote"),
     "router": ("miles_core.cli.router", "Route POST /rollout/generate over engine servers (the miles router)"),
     "report": ("miles_core.cli.report", "Write a run's HTML report (curves, samples, configuration, alarms); several runs overlaid"),
 }

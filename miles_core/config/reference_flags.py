@@ -544,8 +544,8 @@ _TABLE: tuple[Flag, ...] = (
         "str",
         None,
         "Not in the reference. The key of engine servers started by hand (--rollout-engine-urls, each started with the same "
-        "key): every request but GET /health carries 'Authorization: Bearer KEY', and a server that answers 401 stops the "
-        "run at start-up. A command line shows in ps, so prefer --api-key-file or the MILES_API_KEY environment variable "
+        "key) and of reward servers (--rm-url; miles-core serve-reward requires it): every request but GET /health carries "
+        "'Authorization: Bearer KEY', and a server that answers 401 stops the run at start-up. A command line shows in ps, so prefer --api-key-file or the MILES_API_KEY environment variable "
         "(read when neither flag is set); redacted in config.yaml and W&B's config, but W&B's run metadata records the "
         "command line, and with it this key. Servers the run starts get a fresh secret "
         "of the run instead.",
@@ -1093,6 +1093,97 @@ _TABLE: tuple[Flag, ...] = (
         "Threads decoding rollout responses (msgpack + safetensors) off the event loop, for --rollout-engine "
         "http (Ray actors in the reference); raise it when trajectory tensors are large.",
         range="[1, inf)",
+    ),
+    # Not in the reference: rewards scored by servers (docs/rewards.md, "Rewards as a service").
+    _f(
+        "reward",
+        "--rm-url",
+        "str",
+        None,
+        "Not in the reference. With --rm-type remote: the base URLs of miles-core serve-reward servers (or any "
+        "server speaking the reward wire); batches go to them in turn, and a retried batch goes to the next one.",
+        nargs="+",
+        metavar="URL",
+        reference_default="(no such flag)",
+        differs="Added: the reference scores remote rewards only through a function the user writes.",
+    ),
+    _f(
+        "reward",
+        "--rm-remote-reward",
+        "str",
+        None,
+        "Not in the reference. With --rm-type remote: the reward the servers must serve (as their /info names "
+        "it: pickscore, or a mixture such as '0.5*ocr + 0.5*pickscore'); a server serving another is refused at "
+        "start-up and the run exits 2. Unset: any, but every --rm-url must serve the same reward and weights.",
+        metavar="NAME",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-pixel-encoding",
+        "str",
+        "png",
+        "Not in the reference. How --rm-type remote sends outputs: png (8-bit RGB per frame, "
+        "round(clamp(x, 0, 1) * 255): lossless for every reward that reads 8-bit images) or float32 (the exact "
+        "pixels, about 4x the bytes: for rewards that read float pixels).",
+        choices=("png", "float32"),
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-batch-size",
+        "int",
+        8,
+        "Not in the reference. Samples per request of --rm-type remote.",
+        range="[1, inf)",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-max-in-flight",
+        "int",
+        4,
+        "Not in the reference. Requests of --rm-type remote (vlm_judge: of the judge) waiting for an answer at once, over all URLs.",
+        range="[1, inf)",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-timeout",
+        "float",
+        60.0,
+        "Not in the reference. Seconds one request of a reward server (--rm-type remote, vlm_judge) may take; a "
+        "request past it is retried.",
+        range="(0, inf)",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-max-retries",
+        "int",
+        3,
+        "Not in the reference. Further attempts of a reward-server request that failed in transport, timed out "
+        "or was answered 408, 429 or 5xx (each on the next --rm-url); a request that still fails masks its "
+        "samples, counted in rollout/reward/<reward>_failed.",
+        range="[0, inf)",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
+    ),
+    _f(
+        "reward",
+        "--rm-retry-backoff",
+        "float",
+        0.5,
+        "Not in the reference. Seconds before the first retry of a reward-server request, doubled before each "
+        "further one (at most 30 s); a 429 or 503 answer's Retry-After, in seconds, replaces it.",
+        range="[0, inf)",
+        reference_default="(no such flag)",
+        differs="Added with --rm-type remote.",
     ),
     # ------------------------------------------------------------------ rollout customization hooks
     _hook("customization", "--custom-generate-function-path", "Replaces the inner generate call of the diffusion rollout."),

@@ -34,7 +34,9 @@ picks the trained scalar and whose other numeric keys become the sample's
 holds, is a :class:`RewardError` listing the keys; so is a return value that is not a
 sequence of one value per sample.
 
-Failures are per sample. A value that is NaN, infinite or not a number fails that sample.
+Failures are per sample. A value that is NaN, infinite or not a number fails that sample;
+so does an exception instance, which a reward returns in a sample's place to say why it
+could not score that sample (a server that did not answer for it) while scoring the others.
 A call that raises fails its samples with one warning line naming the reward and the
 exception; when that call held several samples (a batched call without ``--group-rm``)
 they are then scored one at a time, so one bad sample does not take the others with it
@@ -311,6 +313,9 @@ class RewardScorer:
         parsed: list[tuple[float, dict[str, float]] | _Failure] = []
         for value in values:
             extras: dict[str, float] = {}
+            if isinstance(value, BaseException):  # the reward could not score this sample, and says why
+                parsed.append(_Failure(_one_line(str(value) or type(value).__name__)))
+                continue
             if isinstance(value, Mapping):
                 if self.key not in value:
                     parsed.append(_Failure(f"no key {self.key!r} (keys: {', '.join(map(str, value))})"))

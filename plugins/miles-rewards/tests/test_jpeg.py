@@ -106,7 +106,9 @@ def test_registered_and_light():
         "temporal_consistency": "miles_rewards.video:TemporalConsistency",
         "motion_magnitude": "miles_rewards.video:MotionMagnitude",
         "hpsv2": "miles_rewards.hpsv2:HPSv2",
+        "imagereward": "miles_rewards.imagereward:ImageReward",
         "ocr": "miles_rewards.ocr:OcrReward",
+        "vlm_judge": "miles_rewards.vlm_judge:VlmJudge",
     }
     code = "import sys, miles_rewards.plugin; print(sorted(m for m in ('torch', 'PIL', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -56,8 +56,6 @@ non-square input.
 from __future__ import annotations
 
 import math
-import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +66,8 @@ from PIL import Image
 
 from miles_core.api import RewardError
 from miles_rewards.clip_models import DTYPE, ClipFrameReward, features, reward_device
+from miles_rewards.state_dicts import check_layout as check_layout_of
+from miles_rewards.state_dicts import first_line, layer_count, listing, read_state_dict
 
 CHECKPOINT_FLAG = "--hpsv2-checkpoint-path"
 TOKENIZER_FLAG = "--hpsv2-tokenizer-path"
@@ -108,44 +108,13 @@ def _error(path: str, cause: str) -> RewardError:
     return RewardError(f"{CHECKPOINT_FLAG} {path}: {cause}")
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
-def _load_failure(exc: BaseException) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, in one line: an object it
-    does not load (its class named), or no readable checkpoint at all."""
-    text = str(exc)
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-    if isinstance(exc, pickle.UnpicklingError) and refused:
-        return (
-            f"holds a pickled {refused.group(1)}; checkpoints are read with torch.load(weights_only=True), "
-            "which loads tensors and plain containers only, never arbitrary objects"
-        )
-    detail = re.search(r"WeightsUnpickler error: (.+)", text)
-    return f"not a torch checkpoint ({type(exc).__name__}: {detail.group(1).strip() if detail else _first_line(exc)})"
-
-
 def read_checkpoint(path: str | None) -> dict[str, torch.Tensor]:
     """The open_clip state dict in the checkpoint at ``path`` (``{'state_dict': ...}`` or
     a bare state dict), read with ``weights_only=True``; anything else is a one-line
     :class:`RewardError` naming the flag."""
-    if not path:
-        raise RewardError(f"{CHECKPOINT_FLAG} is required with the hpsv2 reward")
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise _error(path, "no such file (HPS_v2_compressed.pt or HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2)")
-    if not file.is_file():
-        raise _error(path, "not a file (the HPSv2 checkpoint file itself is expected, e.g. HPS_v2.1_compressed.pt)")
-    try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise _error(path, _load_failure(exc)) from exc
-    state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-    if not isinstance(state, dict) or not state or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise _error(path, f"not a state dict (expected a dict of tensors, or one under 'state_dict'; got {type(loaded).__name__})")
-    return state
+    return read_state_dict(
+        path, CHECKPOINT_FLAG, reward="hpsv2", expected_file="HPS_v2_compressed.pt or HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2"
+    )
 
 
 # Tensors the architecture is read from: (key, axis) -> what that axis is.
@@ -163,18 +132,12 @@ _SIZES = {
 _ARCH = "an open_clip ViT-H/14 (HPSv2) state dict"
 
 
-def _layer_count(state: dict[str, torch.Tensor], prefix: str) -> int:
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.")
-    indices = [int(match.group(1)) for key in state if (match := pattern.match(key))]
-    return max(indices) + 1 if indices else 0
-
-
 def checkpoint_dims(state: dict[str, torch.Tensor], path: str) -> OpenClipDims:
     """The architecture of ``state``, from its shapes (heads from ViT-H-14's head widths)."""
     missing = sorted({key for key, _ in _SIZES.values() if key not in state})
     if missing:
         example = next(iter(state))
-        raise _error(path, f"not {_ARCH}: missing {_listing(missing)} (it has {len(state)} keys, e.g. {example!r})")
+        raise _error(path, f"not {_ARCH}: missing {listing(missing)} (it has {len(state)} keys, e.g. {example!r})")
     sizes: dict[str, int] = {}
     for name, (key, axis) in _SIZES.items():
         shape = tuple(state[key].shape)
@@ -189,12 +152,12 @@ def checkpoint_dims(state: dict[str, torch.Tensor], path: str) -> OpenClipDims:
             raise _error(path, f"not {_ARCH}: its {tower} width {width} is not a multiple of ViT-H/14's head width {head}")
     return OpenClipDims(
         vision_width=sizes["vision_width"],
-        vision_layers=_layer_count(state, "visual.transformer.resblocks."),
+        vision_layers=layer_count(state, "visual.transformer.resblocks."),
         vision_mlp=sizes["vision_mlp"],
         patch_size=sizes["patch_size"],
         grid=grid,
         text_width=sizes["text_width"],
-        text_layers=_layer_count(state, "transformer.resblocks."),
+        text_layers=layer_count(state, "transformer.resblocks."),
         text_mlp=sizes["text_mlp"],
         vocab_size=sizes["vocab_size"],
         context_length=sizes["context_length"],
@@ -246,24 +209,10 @@ def openclip_shapes(dims: OpenClipDims) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _listing(keys: list[str]) -> str:
-    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-
-
 def check_layout(state: dict[str, torch.Tensor], dims: OpenClipDims, path: str) -> None:
     """``state`` has exactly open_clip's keys for ``dims``, each of its shape (the strict
     ``load_state_dict`` the reference does)."""
-    expected = openclip_shapes(dims)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing {_listing(missing)}"] if missing else []) + ([f"unexpected {_listing(unexpected)}"] if unexpected else [])
-        raise _error(path, f"not {_ARCH}: {'; '.join(parts)}")
-    wrong = [key for key, shape in expected.items() if tuple(state[key].shape) != shape]
-    if wrong:
-        key = wrong[0]
-        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        raise _error(path, f"not {_ARCH}: {key} has shape {list(state[key].shape)}, expected {list(expected[key])}{more}")
+    check_layout_of(state, openclip_shapes(dims), f"{CHECKPOINT_FLAG} {path}: not {_ARCH}")
 
 
 _BLOCK_NAMES = {
@@ -359,7 +308,7 @@ def load_tokenizer(path: str | None, dims: OpenClipDims) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path)
     except Exception as exc:
-        raise RewardError(f"{TOKENIZER_FLAG} {path}: cannot load a tokenizer ({type(exc).__name__}: {_first_line(exc)})") from exc
+        raise RewardError(f"{TOKENIZER_FLAG} {path}: cannot load a tokenizer ({type(exc).__name__}: {first_line(exc)})") from exc
     if not isinstance(tokenizer, CLIPTokenizer):
         raise RewardError(f"{TOKENIZER_FLAG} {path}: not a CLIP tokenizer (got {type(tokenizer).__name__})")
     if len(tokenizer) != dims.vocab_size or tokenizer.eos_token_id != dims.vocab_size - 1 or tokenizer.bos_token_id is None:

@@ -81,10 +81,25 @@ def miles_register_rewards() -> list[RewardSpec]:
             uses_gpu=True,
         ),
         RewardSpec(
+            name="imagereward",
+            ref="miles_rewards.imagereward:ImageReward",
+            description="ImageReward (Xu et al. 2023): BLIP ViT-L/16 image + BERT text with cross-attention, MLP head, "
+            "standardised: (mlp(h_cls) - 0.1672) / 1.0333, about -2..2 (--imagereward-checkpoint-path, "
+            "--imagereward-tokenizer-path)",
+            uses_gpu=True,
+        ),
+        RewardSpec(
             name="ocr",
             ref="miles_rewards.ocr:OcrReward",
             description="OCR of the prompt's quoted text: 1 - min(levenshtein, len) / len of the normalised target, "
             "1 when found; video: every 4th frame (--ocr-backend, --ocr-num-workers)",
+        ),
+        RewardSpec(
+            name="vlm_judge",
+            ref="miles_rewards.vlm_judge:VlmJudge",
+            description="a vision-language model behind an OpenAI-compatible chat-completions endpoint scores each "
+            "output: (first number of the answer - LO) / (HI - LO), or P(yes) / (P(yes) + P(no)) from the answer's "
+            "log-probabilities; one request per sample (--vlm-url, --vlm-model)",
         ),
     ]
 
@@ -214,7 +229,7 @@ def miles_add_arguments() -> list[Flag]:
             group="reward",
             choices=FRAME_AGGREGATIONS,
             default="mean",
-            help="How the CLIP frame rewards (pickscore, aesthetic, clipscore, hpsv2) turn a video's frame scores into its "
+            help="How the CLIP frame rewards (pickscore, aesthetic, clipscore, hpsv2, imagereward) turn a video's frame scores into its "
             "reward: mean (of the frames --<reward>-num-frames picks), min (the worst of them), first or last (the "
             "video's first or last frame alone, whatever --<reward>-num-frames is). An image is one frame.",
         ),
@@ -250,6 +265,36 @@ def miles_add_arguments() -> list[Flag]:
             help="Frames of a video scored by hpsv2, spread evenly as --pickscore-num-frames; unset scores all frames.",
         ),
         Flag(
+            name="--imagereward-checkpoint-path",
+            group="reward",
+            metavar="PATH",
+            help="The ImageReward checkpoint file, ImageReward.pt from the hub repo THUDM/ImageReward (a bare state "
+            "dict, read with torch.load(weights_only=True)); required with --rm-type imagereward.",
+        ),
+        Flag(
+            name="--imagereward-tokenizer-path",
+            group="reward",
+            metavar="PATH",
+            help="bert-base-uncased's tokenizer for the imagereward reward (local directory, or the hub id "
+            "google-bert/bert-base-uncased); BLIP's [DEC] and [ENC] are added to it; required with --rm-type imagereward.",
+        ),
+        Flag(
+            name="--imagereward-batch-size",
+            group="reward",
+            type="int",
+            default=8,
+            range="[1, inf)",
+            help="Images (video frames) per ImageReward forward.",
+        ),
+        Flag(
+            name="--imagereward-num-frames",
+            group="reward",
+            type="int",
+            default=None,
+            range="[1, inf)",
+            help="Frames of a video scored by imagereward, spread evenly as --pickscore-num-frames; unset scores all frames.",
+        ),
+        Flag(
             name="--ocr-backend",
             group="reward",
             choices=OCR_BACKENDS,
@@ -272,13 +317,94 @@ def miles_add_arguments() -> list[Flag]:
             "runs one process per image, so the threads run in parallel, as the reference's worker processes do); "
             "1 runs it in the scoring thread.",
         ),
+        Flag(
+            name="--vlm-url",
+            group="reward",
+            metavar="URL",
+            help="OpenAI base URL of the vlm_judge reward's chat-completions server, e.g. http://host:8000/v1 (vLLM, "
+            "SGLang) or https://api.openai.com/v1; the reward POSTs to URL/chat/completions. Required with --rm-type "
+            "vlm_judge.",
+        ),
+        Flag(
+            name="--vlm-model",
+            group="reward",
+            metavar="NAME",
+            help="Model name the vlm_judge reward asks for (the request's model field, e.g. Qwen/Qwen2.5-VL-7B-Instruct); "
+            "required with --rm-type vlm_judge.",
+        ),
+        Flag(
+            name="--vlm-api-key-env",
+            group="reward",
+            metavar="NAME",
+            default="OPENAI_API_KEY",
+            help="Environment variable holding the vlm_judge server's API key, sent as Authorization: Bearer KEY; "
+            "unset or empty sends no Authorization header. The key itself is never logged.",
+        ),
+        Flag(
+            name="--vlm-prompt-template",
+            group="reward",
+            metavar="PATH",
+            help="Text file with the vlm_judge request's text: {prompt} (required) is replaced by the sample's prompt, "
+            "{rubric} by --vlm-rubric; no other placeholder (a literal brace is {{ or }}). Unset: 'A generative model "
+            "was given this prompt:\\n{prompt}\\n\\n{rubric}'.",
+        ),
+        Flag(
+            name="--vlm-rubric",
+            group="reward",
+            metavar="TEXT",
+            help="The question put to the vlm_judge model ({rubric} in the template). Unset: number mode asks how well "
+            "the image (a video: its frames, in order) matches the prompt, as one number from LO to HI of "
+            "--vlm-score-range; yes_no mode asks whether it matches the prompt, yes or no.",
+        ),
+        Flag(
+            name="--vlm-score-mode",
+            group="reward",
+            choices=VLM_SCORE_MODES,
+            default="number",
+            help="How the vlm_judge reward reads the answer: number ((the answer's first number - LO) / (HI - LO), "
+            "--vlm-score-range) or yes_no (P(yes) / (P(yes) + P(no)) from the log-probabilities of a one-token "
+            "answer: the server must return logprobs).",
+        ),
+        Flag(
+            name="--vlm-score-range",
+            group="reward",
+            metavar="LO,HI",
+            default="0,10",
+            help="Scale of the vlm_judge answer in number mode: the reward is (x - LO) / (HI - LO), in [0, 1]; an "
+            "answer outside [LO, HI] fails its sample.",
+        ),
+        Flag(
+            name="--vlm-max-tokens",
+            group="reward",
+            type="int",
+            default=16,
+            range="[1, inf)",
+            help="max_tokens of a vlm_judge request in number mode (yes_no mode sends 1).",
+        ),
+        Flag(
+            name="--vlm-temperature",
+            group="reward",
+            type="float",
+            default=0.0,
+            range="[0, 2]",
+            help="temperature of a vlm_judge request (0: the most likely answer).",
+        ),
+        Flag(
+            name="--vlm-num-frames",
+            group="reward",
+            type="int",
+            default=4,
+            range="[1, inf)",
+            help="Frames of a video sent to the vlm_judge model, spread evenly as --pickscore-num-frames, as several "
+            "images of one message, in order.",
+        ),
     ]
 
 
 @hookimpl
 def miles_validate_config(config: Any) -> list[str]:
     # The numeric flags' ranges (range= above) are checked by the core, with every flag's.
-    return [*_weight_path_errors(config), *_ocr_errors(config)]
+    return [*_weight_path_errors(config), *_ocr_errors(config), *_vlm_judge_errors(config)]
 
 
 # A hub id: "name" or "org/name" (checked when the reward loads the model).
@@ -289,6 +415,7 @@ _REQUIRED = {
     "clipscore": ("clipscore_model_path",),
     "temporal_consistency": ("clipscore_model_path",),
     "hpsv2": ("hpsv2_checkpoint_path", "hpsv2_tokenizer_path"),
+    "imagereward": ("imagereward_checkpoint_path", "imagereward_tokenizer_path"),
 }
 
 
@@ -326,6 +453,7 @@ def _weight_path_errors(config: Any) -> list[str]:
         "clipscore_model_path",
         "clipscore_processor_path",
         "hpsv2_tokenizer_path",
+        "imagereward_tokenizer_path",
     ):
         path = config.get(dest)
         if not path:
@@ -336,9 +464,10 @@ def _weight_path_errors(config: Any) -> list[str]:
             errors.append(f"{flag} {path}: not a directory (a saved model directory or a hub id is expected)")
         elif not local.exists() and not _HUB_ID.match(path):
             errors.append(f"{flag} {path}: no such directory (nor a hub id like org/name)")
-    checkpoint = config.get("hpsv2_checkpoint_path")
-    if checkpoint and not Path(checkpoint).expanduser().is_file():
-        errors.append(f"--hpsv2-checkpoint-path {checkpoint}: no such file")
+    for dest in ("hpsv2_checkpoint_path", "imagereward_checkpoint_path"):
+        checkpoint = config.get(dest)
+        if checkpoint and not Path(checkpoint).expanduser().is_file():
+            errors.append(f"--{dest.replace('_', '-')} {checkpoint}: no such file")
     head = config.get("aesthetic_head_path")
     if head:
         local = Path(head).expanduser()
@@ -351,6 +480,9 @@ def _weight_path_errors(config: Any) -> list[str]:
 
 FRAME_AGGREGATIONS = ("mean", "min", "first", "last")
 """--reward-frame-aggregation's rules (miles_rewards.clip_models.aggregate_frames)."""
+
+VLM_SCORE_MODES = ("number", "yes_no")
+"""--vlm-score-mode's choices (miles_rewards.vlm_judge)."""
 
 OCR_BACKENDS = ("tesseract", "easyocr", "paddleocr")
 # What to install for each ocr backend: the one-line errors of the configuration check
@@ -387,3 +519,14 @@ def _ocr_errors(config: Any) -> list[str]:
     if backend == "paddleocr" and find_spec("paddleocr") is None:
         return [OCR_MISSING["paddleocr"]]
     return []
+
+
+def _vlm_judge_errors(config: Any) -> list[str]:
+    """The vlm_judge flags (URL, model, template, score range) where the reward is used:
+    checked before anything runs, and without sending a request (a judge may be billed
+    per call). The reward checks again when it is built (a per-sample ``metadata.rm_type``)."""
+    if "vlm_judge" not in _rewards_in_use(config):
+        return []
+    from miles_rewards.vlm_judge import config_errors
+
+    return config_errors(config)
