@@ -296,11 +296,13 @@ def scoring_samples(outputs: Sequence[Any], prompts: Sequence[str] | None = None
 
 
 @contextmanager
-def serve_reward_in_thread(config: Any, *, api_key: str | None = None, timeout: float = 60.0) -> Iterator[str]:
+def serve_reward_in_thread(config: Any, *, api_key: str | None = None, timeout: float = 60.0, **options: Any) -> Iterator[str]:
     """Serve ``config``'s reward with serve-reward's application from an event loop of its
     own in a background thread; yield its base URL once ``GET /health`` answers 200 (an
     AssertionError with the server's reason when the reward fails to build), and always
-    stop it. ``--rm-type remote`` then scores through it over loopback HTTP."""
+    stop it. ``--rm-type remote`` then scores through it over loopback HTTP. ``options``:
+    :func:`~miles_core.reward_service.server.create_reward_app`'s limits (``max_samples``,
+    ``max_body_bytes``)."""
     import asyncio
     import threading
     import time
@@ -313,7 +315,7 @@ def serve_reward_in_thread(config: Any, *, api_key: str | None = None, timeout: 
     thread = threading.Thread(target=loop.run_forever, name="reward-server", daemon=True)
     thread.start()
     try:
-        app = create_reward_app(config, api_key=api_key)
+        app = create_reward_app(config, api_key=api_key, **options)
         server = asyncio.run_coroutine_threadsafe(start_reward_server(app), loop).result(timeout)
         try:
             deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ REPO_PLUGINS = {
             "loss": ["policy_loss", "nft", "sft_loss", "custom_loss"],
             "rollout_filter": ["check_reward_nonzero_std", "pop_first"],
             "rollout_engine": ["embedded", "http", "sglang"],
+            "reward": ["remote"],
         },
     ),
     "sd3": ("miles-sd3", {"model_family": ["sd3"]}),
@@ -37,7 +38,9 @@ REPO_PLUGINS = {
                 "temporal_consistency",
                 "motion_magnitude",
                 "hpsv2",
+                "imagereward",
                 "ocr",
+                "vlm_judge",
             ]
         },
     ),
@@ -107,7 +110,7 @@ def test_main_usage_and_unknown_command():
     assert result.returncode == 2
     assert (
         result.stderr
-        == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, score, generate, serve-engine, router, report\n"
+        == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, score, generate, serve-engine, serve-reward, router, report\n"
     )
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "make-tiny" in result.stdout

@@ -129,9 +129,9 @@ def test_a_hung_server_hits_the_timeout() -> None:
     a = Script("a", ["hang"])
     with pytest.raises(CallFailed, match=r"no answer within 0.3 s \(--rm-timeout\) \(after 1 attempt\)"):
         _run([a], lambda s, urls: post_with_retries(s, urls, "/score", policy=RetryPolicy(0.3, 0), json_body={}))
-    # control: the same server's next answer (not hanging) comes back within the timeout
+    # control: a server that answers comes back within a timeout (a generous one: a busy machine)
     b = Script("b", [])
-    assert _run([b], lambda s, urls: post_with_retries(s, urls, "/score", policy=RetryPolicy(0.3, 0), json_body={})).status == 200
+    assert _run([b], lambda s, urls: post_with_retries(s, urls, "/score", policy=RetryPolicy(10, 0), json_body={})).status == 200
 
 
 def test_gather_bounded_keeps_order_limits_concurrency_and_returns_exceptions() -> None:

@@ -50,6 +50,20 @@ def test_png_frames_are_8_bit_rgb_pngs_of_the_quantised_values():
         assert np.array_equal(np.asarray(image), expected)
 
 
+def test_png_quantises_in_float64_as_the_8_bit_rewards_do():
+    # Values whose x * 255 in float32 rounds to the other side of .5: the rewards compute
+    # round(x * 255) in float64 (exact for a float32 x), and the wire must match them.
+    x = torch.rand(2_000_000, generator=torch.Generator().manual_seed(3))
+    in_float64 = x.double().mul(255.0).round()
+    tricky = x[x.mul(255.0).round().double() != in_float64]
+    assert tricky.numel() > 0  # the control: float32 arithmetic gets these wrong
+    pixels = tricky[: (tricky.numel() // 3) * 3].reshape(3, 1, -1)
+    frame = np.asarray(Image.open(io.BytesIO(base64.b64decode(wire.encode_pixels(pixels, "png")["frames"][0]))))
+    expected = np.clip(np.round(pixels.double().numpy() * 255.0), 0, 255).astype(np.uint8).transpose(1, 2, 0)
+    assert np.array_equal(frame, expected)
+    assert not np.array_equal(frame, pixels.mul(255.0).round().to(torch.uint8).numpy().transpose(1, 2, 0))
+
+
 def test_png_is_not_exact_off_the_grid():
     # The control: a value between two 8-bit levels comes back as the nearest level.
     pixels = torch.full((3, 2, 2), 0.5)

@@ -10,11 +10,7 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -35,7 +31,7 @@ from miles_core.reward_service.server import (
     weights_sha256,
 )
 from miles_core.rollout.sample import Sample
-from miles_core.testing import scoring_samples
+from miles_core.testing import scoring_samples, serve_reward_process
 from miles_core.training.rewards import RewardScorer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +187,7 @@ def test_group_rewards_need_groups():
     ]
 
 
-def test_a_reward_that_cannot_be_used_answers_500_in_one_line():
+def test_a_reward_that_cannot_be_used_answers_422_in_one_line():
     config = resolve("--custom-rm-path", f"{EXAMPLES}.length_parts")  # dicts, and no --reward-key
 
     async def main():
@@ -199,7 +195,7 @@ def test_a_reward_that_cannot_be_used_answers_500_in_one_line():
             return await post(session, url, body_of(grid_pixels(2), ["a b", "c"]))
 
     status, body = asyncio.run(main())
-    assert status == 500
+    assert status == 422  # not retried: every attempt would get it
     assert body["error"] == (
         f"--custom-rm-path {EXAMPLES}.length_parts returns a dict per sample (keys: length, note, words); choose the trained one with --reward-key"
     )
@@ -263,6 +259,8 @@ def test_info_keys_refusals_and_limits():
             ],
             "pixel_encodings": ["png", "float32"],
             "max_samples": 2,
+            "max_values": 2**30,
+            "max_body_bytes": 4000,
             "group_rm": False,
         },
     )
@@ -435,25 +433,11 @@ def test_the_command_serves_until_sigterm(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
     key_file.chmod(0o600)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "miles_core.cli.main", "serve-reward", "--rm-type", "brightness", "--api-key-file", str(key_file)],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
-    try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = process.stderr.readline()
-            lines.append(line)
-            if line.startswith("serving reward") or not line:
-                break
+    log = tmp_path / "serve-reward.log"
+    with serve_reward_process("--rm-type", "brightness", "--api-key-file", str(key_file), log_path=log) as (url, process):
+        lines = log.read_text().splitlines()
         assert lines[-2].startswith("listening on http://127.0.0.1:"), lines
-        url = lines[-1].removeprefix("serving reward brightness on ").strip()
-        assert url.startswith("http://127.0.0.1:"), lines
+        assert lines[-1] == f"serving reward brightness on {url}" and url.startswith("http://127.0.0.1:")
         pixels = grid_pixels(2)
 
         async def main():
@@ -467,8 +451,3 @@ def test_the_command_serves_until_sigterm(tmp_path):
         assert body["rewards"] == [s.reward for s in in_process(resolve("--rm-type", "brightness"), pixels, ["a", "b"])]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stderr.close()

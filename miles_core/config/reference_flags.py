@@ -544,7 +544,7 @@ _TABLE: tuple[Flag, ...] = (
         "str",
         None,
         "Not in the reference. The key of engine servers started by hand (--rollout-engine-urls, each started with the same "
-        "key) and of reward servers (--rm-url; miles-core serve-reward requires it): every request but GET /health carries "
+        "key) and of reward servers (--rm-url; miles-core serve-reward given a key requires it): every request but GET /health carries "
         "'Authorization: Bearer KEY', and a server that answers 401 stops the run at start-up. A command line shows in ps, so prefer --api-key-file or the MILES_API_KEY environment variable "
         "(read when neither flag is set); redacted in config.yaml and W&B's config, but W&B's run metadata records the "
         "command line, and with it this key. Servers the run starts get a fresh secret "
@@ -1157,7 +1157,7 @@ _TABLE: tuple[Flag, ...] = (
         "float",
         60.0,
         "Not in the reference. Seconds one request of a reward server (--rm-type remote, vlm_judge) may take; a "
-        "request past it is retried.",
+        "request past it is retried. Also how long --rm-type remote waits at start-up for a server still loading its reward.",
         range="(0, inf)",
         reference_default="(no such flag)",
         differs="Added with --rm-type remote.",
@@ -1168,7 +1168,7 @@ _TABLE: tuple[Flag, ...] = (
         "int",
         3,
         "Not in the reference. Further attempts of a reward-server request that failed in transport, timed out "
-        "or was answered 408, 429 or 5xx (each on the next --rm-url); a request that still fails masks its "
+        "or was answered 408, 429, 500, 502, 503 or 504 (each on the next --rm-url); a request that still fails masks its "
         "samples, counted in rollout/reward/<reward>_failed.",
         range="[0, inf)",
         reference_default="(no such flag)",

@@ -2,7 +2,8 @@
 serve-reward``, or any server speaking the wire of docs/rewards.md, "The reward wire").
 
 At construction, before the run spends anything, every ``--rm-url`` must answer
-``GET /health`` and ``GET /info`` (with the run's key); the servers must speak wire
+``GET /health`` (a server still loading its reward is waited for, up to ``--rm-timeout``)
+and ``GET /info`` (with the run's key); the servers must speak wire
 version 1, serve ``--rm-remote-reward`` when it is set and all serve the same reward with
 the same weights (their ``/info`` ``rewards`` records equal), take
 ``--rm-pixel-encoding``, and accept a ``--rm-batch-size`` request. A server scoring whole
@@ -13,11 +14,15 @@ A call's samples go out in requests of ``--rm-batch-size`` (under ``--group-rm``
 call is one prompt group and goes whole), at most ``--rm-max-in-flight`` at once; request
 ``j`` of a call goes first to the URL after the one the previous request started on, and
 each retry (:func:`~miles_core.reward_service.retry.post_with_retries`) to the next URL. A
-request that still fails, or that a server refuses (4xx), or a sample the server's reward
-failed on, comes back as an exception in that sample's place: the scorer masks those
-samples and counts them (``rollout/reward/remote_failed``). ``pop_metrics`` reports
-``requests``, ``retries``, ``failed_requests`` and, for a server's mixture, each
-component's mean (``rollout/reward/remote/<component>_mean``).
+request over a server's size limits (413) goes again in halves. A request that still
+fails, or that a server refuses (another 4xx), a sample that cannot be sent (pixels PNG
+cannot carry, metadata that is not JSON) or a sample the server's reward failed on comes
+back as an exception in that sample's place: the scorer masks those samples and counts
+them (``rollout/reward/remote_failed``). A server answering 422 (its reward cannot be
+used at all) raises :class:`~miles_core.errors.RewardError`, which stops the run as the
+same reward would in-process. ``pop_metrics`` reports ``requests``, ``retries``,
+``failed_requests``, ``split_requests`` and, for a server's mixture, each component's
+mean (``rollout/reward/remote/<component>_mean``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from urllib.parse import urlsplit
 
 from miles_core.errors import MilesError, RewardError
 from miles_core.reward_service.retry import Answer, CallFailed, RetryPolicy, gather_bounded, post_with_retries, run_in_new_loop
-from miles_core.reward_service.wire import WIRE_VERSION, decode_response, encode_request
+from miles_core.reward_service.wire import WIRE_VERSION, decode_response, encode_sample
 
 log = logging.getLogger("miles_core.rewards")
 
@@ -77,11 +82,12 @@ class RemoteReward:
         self.batch_size = int(get("rm_batch_size") or 8)
         self.max_in_flight = int(get("rm_max_in_flight") or 4)
         self.group_rm = bool(get("group_rm"))
+        self.group_size = get("n_samples_per_prompt")
         self.policy = RetryPolicy.from_config(config)
         self.headers = auth_headers(resolve_api_key(get("api_key"), get("api_key_file")))
         self._turn = itertools.count()
         self._lock = threading.Lock()  # the counters: pop_metrics may run while a call does
-        self._counts = {"requests": 0, "retries": 0, "failed_requests": 0}
+        self._counts = {"requests": 0, "retries": 0, "failed_requests": 0, "split_requests": 0}
         self._components: dict[str, list[float]] = {}
         self.info = run_in_new_loop(self._check_servers())
         self.served: str = self.info["reward"]
@@ -104,6 +110,12 @@ class RemoteReward:
 
     async def _info(self, session: Any, url: str) -> dict[str, Any]:
         health = await self._get(session, url, "/health")
+        # A server started beside the run may still be loading its model: wait for it, up
+        # to --rm-timeout, rather than stop a run its operator started on time.
+        deadline = asyncio.get_running_loop().time() + self.policy.timeout
+        while health.status == 503 and _loading(health) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.25)
+            health = await self._get(session, url, "/health")
         if health.status != 200:
             raise RewardError(
                 f"reward remote: --rm-url {url}: GET /health answered {health.status} ({health.error_message()}); is the reward still loading?"
@@ -142,6 +154,12 @@ class RemoteReward:
             raise RewardError(
                 f"reward remote: --rm-batch-size {self.batch_size} is above --rm-url {url}'s limit of {most} samples per request"
             )
+        group = self.group_size
+        if isinstance(most, int) and self.group_rm and group and group > most:
+            raise RewardError(
+                f"reward remote: a prompt group of {group} samples (--n-samples-per-prompt, sent whole under --group-rm) "
+                f"is above --rm-url {url}'s limit of {most} samples per request"
+            )
         if info.get("group_rm") and not self.group_rm:
             raise RewardError(
                 f"reward remote: --rm-url {url} serves a reward that scores whole prompt groups (--group-rm); run with --group-rm too"
@@ -170,33 +188,69 @@ class RemoteReward:
         log.warning("reward remote: retrying a request: %s", line)
 
     async def _request(self, session: Any, first: int, pixels: list[Any], prompts: list[str], metadata: list[Any]) -> list[Any]:
-        groups = [0] * len(prompts) if self.group_rm else list(range(len(prompts)))
+        """One request's samples scored: per sample its reward or a :class:`SampleNotScored`.
+        A sample that cannot go on the wire (pixels PNG cannot carry, metadata that is not
+        JSON) fails alone; the others are sent."""
+        values: list[Any] = [None] * len(prompts)
+        entries: dict[int, dict[str, Any]] = {}
+        for i, (x, prompt, meta) in enumerate(zip(pixels, prompts, metadata)):
+            group = 0 if self.group_rm else i
+            try:
+                entries[i] = encode_sample(x, prompt, meta if isinstance(meta, Mapping) else {}, encoding=self.encoding, group=group)
+            except Exception as exc:  # this sample only
+                values[i] = SampleNotScored(f"cannot be sent: {' '.join(str(exc).split()) or type(exc).__name__}")
+        if self.group_rm and len(entries) < len(prompts):  # a group reward sees whole groups or nothing
+            failure = next(v for v in values if v is not None)
+            return [SampleNotScored(f"its prompt group was not sent: {failure}") if v is None else v for v in values]
+        if not entries:
+            return values
+        for i, value in (await self._send(session, first, entries)).items():
+            values[i] = value
+        return values
+
+    async def _send(self, session: Any, first: int, entries: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        """POST ``entries`` (sample index -> wire sample); per index its reward or a
+        :class:`SampleNotScored`. A request over the server's size limits (413) goes again in
+        halves, down to one sample; a reward the server cannot use at all (422) is a
+        :class:`RewardError`, which stops the run as it would in-process."""
+        body = {"wire_version": WIRE_VERSION, "reward": self.served, "samples": list(entries.values())}
         try:
-            body = encode_request(pixels, prompts, metadata, encoding=self.encoding, reward=self.served, groups=groups)
             answer = await post_with_retries(
                 session, self.urls, "/score", first=first, policy=self.policy, json_body=body, headers=self.headers, on_retry=self._retried
             )
+            if answer.status == 413 and len(entries) > 1 and not self.group_rm:
+                half = list(entries)[: len(entries) // 2]
+                with self._lock:
+                    self._counts["requests"] += 1
+                    self._counts["split_requests"] += 1
+                first_half = await self._send(session, first, {i: entries[i] for i in half})
+                second_half = await self._send(session, first + 1, {i: e for i, e in entries.items() if i not in first_half})
+                return {**first_half, **second_half}
+            if answer.status == 422:
+                raise RewardError(f"reward remote: {answer.url}: the server cannot use its reward: {answer.error_message()}")
             if answer.status != 200:
                 raise CallFailed(f"{answer.url}: answered {answer.status}: {answer.error_message()}")
-            results = decode_response(answer.json(), len(prompts))
-        except (MilesError, TypeError, ValueError) as exc:  # TypeError/ValueError: metadata that is not JSON
-            with self._lock:
-                self._counts["failed_requests"] += 1
-            failure = SampleNotScored(f"request of {len(prompts)} sample(s) failed: {' '.join(str(exc).split())}")
-            return [failure] * len(prompts)
-        finally:
+            results = decode_response(answer.json(), len(entries))
+        except RewardError:
+            raise
+        except Exception as exc:  # the request's samples fail, and are counted; the run goes on
             with self._lock:
                 self._counts["requests"] += 1
-        values: list[Any] = []
+                self._counts["failed_requests"] += 1
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            failure = SampleNotScored(f"request of {len(entries)} sample(s) failed: {reason}")
+            return dict.fromkeys(entries, failure)
+        values: dict[int, Any] = {}
         with self._lock:
-            for result in results:
+            self._counts["requests"] += 1
+            for i, result in zip(entries, results):
                 if isinstance(result, str):
-                    values.append(SampleNotScored(f"{answer.url}: the server's reward failed: {result}"))
+                    values[i] = SampleNotScored(f"{answer.url}: the server's reward failed: {result}")
                     continue
                 reward, components = result
                 for name, value in components.items():
                     self._components.setdefault(name, []).append(value)
-                values.append(reward)
+                values[i] = reward
         return values
 
     async def _score(self, outputs: Sequence[Any], prompts: Sequence[str], metadata: Sequence[Any]) -> list[Any]:
@@ -208,17 +262,15 @@ class RemoteReward:
         async with aiohttp.ClientSession() as session:
             parts = await gather_bounded(
                 [
-                    (
-                        lambda a=a, b=b, f=f: self._request(
-                            session, f, list(outputs[a:b]), list(prompts[a:b]), [dict(m or {}) for m in metadata[a:b]]
-                        )
-                    )
+                    (lambda a=a, b=b, f=f: self._request(session, f, list(outputs[a:b]), list(prompts[a:b]), list(metadata[a:b])))
                     for (a, b), f in zip(spans, firsts)
                 ],
                 self.max_in_flight,
             )
         values: list[Any] = []
         for (a, b), part in zip(spans, parts):
+            if isinstance(part, RewardError):  # the served reward cannot be used at all
+                raise part
             if isinstance(part, BaseException):  # a bug or a cancellation, not a server's answer
                 values.extend([SampleNotScored(f"request failed: {type(part).__name__}: {part}")] * (b - a))
             else:
@@ -237,6 +289,15 @@ class RemoteReward:
             self._counts = dict.fromkeys(self._counts, 0)
             self._components = {}
         return metrics
+
+
+def _loading(answer: Answer) -> bool:
+    """Whether a ``/health`` answer says the reward is still being built."""
+    try:
+        body = answer.json()
+    except CallFailed:
+        return False
+    return isinstance(body, dict) and body.get("status") == "loading"
 
 
 def _served(info: Mapping[str, Any]) -> str:

@@ -11,14 +11,15 @@ and builds it in a background thread. Routes:
 - ``GET /info``: the wire version, the reward's name (the scorer's: ``pickscore``,
   ``0.5*ocr + 0.5*pickscore``), each registered reward it runs with the plugin
   distribution and version providing it and ``weights_sha256`` (:func:`weights_sha256`),
-  the pixel encodings, ``max_samples`` and ``group_rm``.
+  the pixel encodings, the limits (``max_samples``, ``max_values``, ``max_body_bytes``)
+  and ``group_rm``.
 - ``POST /score``: a wire request; its samples are scored together, as one batch of a
   rollout (concurrent requests are fine: the scorer serialises the calls of each reward
   and coalesces the samples waiting for it). A request naming another reward answers 409;
   a malformed one 400 naming the field; one over ``--max-body-bytes`` or ``--max-samples``
   413. A sample the reward fails on gets ``null`` and its one-line reason, the others their
   rewards; a reward that cannot be used at all (a dict reward without ``--reward-key``)
-  answers 500.
+  answers 422 (not 500, which clients retry).
 
 Every non-200 answer is ``{"error": "one line"}``. With an API key every request but
 ``GET``/``HEAD /health`` must carry ``Authorization: Bearer KEY`` (401 before its body is
@@ -225,6 +226,7 @@ class RewardState:
     config: Any
     max_samples: int = DEFAULT_MAX_SAMPLES
     max_values: int = DEFAULT_MAX_VALUES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_ready: Callable[[Any], None] | None = None
     on_build_error: Callable[[BaseException], None] | None = None
     scorer: Any = None
@@ -250,6 +252,8 @@ class RewardState:
                 "rewards": records,
                 "pixel_encodings": list(PIXEL_ENCODINGS),
                 "max_samples": self.max_samples,
+                "max_values": self.max_values,
+                "max_body_bytes": self.max_body_bytes,
                 "group_rm": scorer.needs_whole_groups,
             }
             self.scorer = scorer
@@ -304,7 +308,7 @@ def create_reward_app(
     # The key is checked first (outermost): a refused request's body is never read.
     middlewares = [_errors] if api_key is None else [bearer_middleware(api_key), _errors]
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
-    app[STATE] = RewardState(config, max_samples, max_values, on_ready=on_ready, on_build_error=on_build_error)
+    app[STATE] = RewardState(config, max_samples, max_values, max_body_bytes, on_ready=on_ready, on_build_error=on_build_error)
     app.add_routes([web.get("/health", _health), web.get("/info", _info), web.post("/score", _score)])
     return app
 
@@ -336,8 +340,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(exc.status, str(exc))
     except RequestError as exc:
         return _error(400, str(exc))
-    except RewardError as exc:  # the reward cannot be used at all: the server's configuration
-        return _error(500, str(exc))
+    except RewardError as exc:  # the reward cannot be used at all (the server's configuration): no retry helps
+        return _error(422, str(exc))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, str(body_too_large(request.content_length, request.client_max_size, "--max-body-bytes")))
     except web.HTTPException as exc:

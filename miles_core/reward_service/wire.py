@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -101,14 +102,20 @@ def encode_pixels(pixels: torch.Tensor, encoding: str) -> dict[str, Any]:
         raise RequestError("pixels", f"shape {shape}: png carries RGB (3 channels); send float32 for {shape[0]}")
     if not bool(torch.isfinite(values).all()):
         raise RequestError("pixels", "NaN or infinite values cannot be sent as png; send float32")
-    quantised = values.clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
-    frames = [quantised] if len(shape) == 3 else list(quantised.unbind(1))
+    frames = [values] if len(shape) == 3 else list(values.unbind(1))
     from PIL import Image
 
     encoded = []
     for frame in frames:
+        # In float64, where x * 255 is exact for every float32 x, as the 8-bit rewards
+        # quantise (miles_rewards.pixels): in float32 the product rounds first and a few
+        # values per image land on the other side of .5. One frame at a time: a video in
+        # float64 would take twice its float32 memory.
+        quantised = frame.double().clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
         buffer = io.BytesIO()
-        Image.fromarray(frame.permute(1, 2, 0).contiguous().numpy(), "RGB").save(buffer, format="PNG", compress_level=_PNG_COMPRESS_LEVEL)
+        Image.fromarray(quantised.permute(1, 2, 0).contiguous().numpy(), "RGB").save(
+            buffer, format="PNG", compress_level=_PNG_COMPRESS_LEVEL
+        )
         encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     return {"encoding": "png", "shape": shape, "frames": encoded}
 
@@ -200,6 +207,23 @@ def _png_frame(data: bytes, where: str, width: int, height: int) -> np.ndarray:
 # -- requests ----------------------------------------------------------------------------
 
 
+def encode_sample(
+    pixels: torch.Tensor, prompt: str, metadata: Mapping[str, Any] | None, *, encoding: str, group: int | None = None
+) -> dict[str, Any]:
+    """One entry of a request's ``samples``; :class:`~miles_core.errors.RequestError`
+    naming the field for what cannot go on the wire (pixels png cannot carry, metadata
+    that is not JSON), so a client can fail that sample alone."""
+    sample: dict[str, Any] = {"prompt": prompt, "metadata": dict(metadata or {})}
+    try:
+        json.dumps(sample["metadata"], allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise RequestError("metadata", f"not JSON ({exc})") from None
+    if group is not None:
+        sample["group"] = int(group)
+    sample["pixels"] = encode_pixels(pixels, encoding)
+    return sample
+
+
 def encode_request(
     pixels: Sequence[torch.Tensor],
     prompts: Sequence[str],
@@ -218,14 +242,12 @@ def encode_request(
         raise RequestError("samples", f"one of each per sample is needed, got {lengths}")
     samples = []
     for i in range(n):
-        sample: dict[str, Any] = {"prompt": prompts[i], "metadata": dict(metadata[i] or {})}
-        if groups is not None:
-            sample["group"] = int(groups[i])
         try:
-            sample["pixels"] = encode_pixels(pixels[i], encoding)
+            samples.append(
+                encode_sample(pixels[i], prompts[i], metadata[i], encoding=encoding, group=None if groups is None else groups[i])
+            )
         except RequestError as exc:
             raise RequestError(f"samples[{i}].{exc.field}", str(exc).split(": ", 1)[1]) from None
-        samples.append(sample)
     return {"wire_version": WIRE_VERSION, "reward": reward, "samples": samples}
 
 
@@ -394,4 +416,5 @@ __all__ = [
     "encode_pixels",
     "encode_request",
     "encode_response",
+    "encode_sample",
 ]

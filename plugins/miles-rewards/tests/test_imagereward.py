@@ -229,7 +229,10 @@ def test_bad_checkpoints_are_one_line_errors(tiny, tmp_path):
     assert _one_line_error(tiny, checkpoint="") == f"{flag} is required with the imagereward reward"
     missing = tmp_path / "nowhere.pt"
     assert _one_line_error(tiny, missing) == f"{flag} {missing}: no such file (ImageReward.pt from the hub repo THUDM/ImageReward)"
-    assert _one_line_error(tiny, tmp_path) == f"{flag} {tmp_path}: not a file (the checkpoint file itself is expected: ImageReward.pt from the hub repo THUDM/ImageReward)"
+    assert (
+        _one_line_error(tiny, tmp_path)
+        == f"{flag} {tmp_path}: not a file (the checkpoint file itself is expected: ImageReward.pt from the hub repo THUDM/ImageReward)"
+    )
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     assert _one_line_error(tiny, garbage).startswith(f"{flag} {garbage}: not a torch checkpoint (")

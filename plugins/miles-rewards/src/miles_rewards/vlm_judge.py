@@ -30,7 +30,7 @@ The score is read from the answer:
 
 Requests go at most ``--rm-max-in-flight`` at once, each through the core's
 :func:`post_with_retries`: ``--rm-timeout`` per attempt, transport errors, timeouts and
-408/429/5xx retried ``--rm-max-retries`` times with exponential backoff from
+408, 429, 500, 502, 503 and 504 retried ``--rm-max-retries`` times with exponential backoff from
 ``--rm-retry-backoff`` (a ``Retry-After`` honoured). A sample whose request still fails,
 whose request the server refuses (another 4xx: the message of the OpenAI error envelope
 is quoted) or whose answer cannot be read gets an exception instance in its place, which
