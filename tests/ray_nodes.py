@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,24 @@ def _wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.P
         time.sleep(0.05)
 
 
+def kill_actor(actor: Any, probe: Callable[[], Any], timeout: float = 30.0) -> None:
+    """Kill ``actor`` and return once Ray says it is dead: ``ray.kill`` only asks, and a call
+    made right after it may still be served. ``probe`` calls one of the actor's methods
+    (returning its object ref); it is called until that call fails as an actor that died."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(probe(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the actor still answers {timeout} s after ray.kill")
+        time.sleep(0.05)
+
+
 def start_local_cluster(temp_dir: Path, cpus: list[int], *, wait: bool = True, one_thread: bool = True) -> LocalRayCluster:
     cluster = LocalRayCluster(temp_dir, one_thread=one_thread)
     cluster.start(cpus, wait=wait)
@@ -246,4 +265,4 @@ def two_node_cluster(tmp_path_factory: Any) -> Any:
         cluster.stop()
 
 
-__all__ = ["LocalRayCluster", "start_local_cluster", "two_node_cluster"]
+__all__ = ["LocalRayCluster", "kill_actor", "start_local_cluster", "two_node_cluster"]

@@ -31,7 +31,7 @@ import ray
 
 import miles_core.engine.http as http_engine
 from miles_core.cluster.session import RaySession
-from tests.ray_nodes import LocalRayCluster, two_node_cluster  # noqa: F401  (the fixture)
+from tests.ray_nodes import LocalRayCluster, kill_actor, two_node_cluster  # noqa: F401  (the fixture)
 from tests.tiny_runs import run_metrics, tiny_run_args
 
 FLEET = ("--rollout-engine", "http", "--rollout-num-engines", "2")

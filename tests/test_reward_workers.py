@@ -32,6 +32,7 @@ from miles_core.errors import ConfigError, PlacementError, RewardWorkerDiedError
 from miles_core.plugin_manager import OwnedFlag, get_host
 from miles_core.registry import PluginInfo
 from miles_core.training.rewards import RewardScorer
+from tests.ray_nodes import kill_actor
 
 BASE = [
     "--hf-checkpoint",
@@ -146,7 +147,7 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
         nudged[3].pixels[0, 0, 0] += 0.5
         assert scored(two, nudged)[0] != local
         # A dead worker: one line naming it and its node, exit status 1.
-        ray.kill(two.workers[1])
+        kill_actor(two.workers[1], lambda: two.workers[1].describe.remote(False))
         with pytest.raises(RewardWorkerDiedError) as info:
             asyncio.run(two.score(copies(samples)))
         (node,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
