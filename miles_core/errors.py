@@ -253,8 +253,8 @@ class RewardsFailedError(RewardError):
 
 
 class RewardWorkerDiedError(RewardError):
-    """A reward-worker actor (``--use-ray``) died; the message names the worker and its
-    node (exit status 1; under ``--save`` the run keeps a checkpoint of its last trained rollout first)."""
+    """A reward worker of a ``--use-ray`` run (its ``serve-reward --run-worker`` server)
+    died or answered what it should not; the message names the worker and its node (exit status 1; under ``--save`` the run keeps a checkpoint of its last trained rollout first)."""
 
     exit_code = 1
 

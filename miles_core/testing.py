@@ -302,20 +302,22 @@ def serve_reward_in_thread(config: Any, *, api_key: str | None = None, timeout: 
     AssertionError with the server's reason when the reward fails to build), and always
     stop it. ``--rm-type remote`` then scores through it over loopback HTTP. ``options``:
     :func:`~miles_core.reward_service.server.create_reward_app`'s limits (``max_samples``,
-    ``max_body_bytes``)."""
+    ``max_body_bytes``) and ``worker`` (a run's reward worker)."""
     import asyncio
     import threading
     import time
     import urllib.error
     import urllib.request
 
+    from miles_core.reward_service.run_worker import create_worker_app
     from miles_core.reward_service.server import create_reward_app, start_reward_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="reward-server", daemon=True)
     thread.start()
     try:
-        app = create_reward_app(config, api_key=api_key, **options)
+        create = create_worker_app if options.pop("worker", False) else create_reward_app
+        app = create(config, api_key=api_key, **options)
         server = asyncio.run_coroutine_threadsafe(start_reward_server(app), loop).result(timeout)
         try:
             deadline = time.monotonic() + timeout

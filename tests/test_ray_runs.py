@@ -263,8 +263,8 @@ def test_engine_servers_run_on_ray_actors(tiny_sd3, prompts, tmp_path, ray_clust
 
 @pytest.mark.exercises("--deterministic-mode")
 def test_deterministic_mode_reaches_every_actor_of_a_ray_run(tiny_sd3, prompts, tmp_path, ray_cluster):
-    """The actors a --use-ray run starts (its training rank, the embedded engine's host, the
-    reward worker), started as the run starts them: with --deterministic-mode each has
+    """The actors a --use-ray run starts (its training rank, the embedded engine's host) and
+    its reward worker's server, started as the run starts them: with --deterministic-mode each has
     cuBLAS's workspace setting in its environment and torch's deterministic algorithms on;
     without it (the control) neither. A --train-env-vars value for the variable wins."""
 
@@ -283,8 +283,11 @@ def test_deterministic_mode_reaches_every_actor_of_a_ray_run(tiny_sd3, prompts, 
             trainer = pool.submit(session.start_trainer)
             scorer = pool.submit(session.reward_scorer)
         try:
-            actors = [*trainer.result().ranks, *fleet.result().hosts, scorer.result().worker]
-            assert ray.get([actor.__ray_call__.remote(probe) for actor in actors]) == [(":4096:8", True)] * 3
+            actors = [*trainer.result().ranks, *fleet.result().hosts]
+            assert ray.get([actor.__ray_call__.remote(probe) for actor in actors]) == [(":4096:8", True)] * 2
+            # The reward worker's server process, which its host actor started.
+            server = ray.get(scorer.result().worker.describe.remote(["CUBLAS_WORKSPACE_CONFIG"]))
+            assert server["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} and scorer.result().deterministic_algorithms == [True]
         finally:
             if not fleet.exception():
                 fleet.result().stop()
@@ -296,6 +299,9 @@ def test_deterministic_mode_reaches_every_actor_of_a_ray_run(tiny_sd3, prompts, 
     try:
         (rank,) = session.start_trainer().ranks
         assert ray.get(rank.__ray_call__.remote(probe)) == (None, False)
+        scorer = session.reward_scorer()
+        assert ray.get(scorer.worker.describe.remote(["CUBLAS_WORKSPACE_CONFIG"]))["env"] == {}
+        assert scorer.deterministic_algorithms == [False]
     finally:
         session.close()
     # The user's value (the other documented setting) is what every actor would get.

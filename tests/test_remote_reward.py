@@ -252,6 +252,10 @@ def test_start_up_refuses_what_it_cannot_use(key_file, tmp_path):
             assert "refused the key" in refused("--rm-url", bright)
             assert "--rm-batch-size 300 is above" in refused("--rm-url", bright, "--rm-batch-size", "300", *key)
 
+    # A --use-ray run's reward worker serves its run only.
+    with serve_reward_in_thread(resolve("--rm-type", "brightness"), worker=True) as worker:
+        assert f"--rm-url {worker} is a --use-ray run's reward worker" in refused("--rm-url", worker)
+
     # Nothing listening, not a URL, not a reward server.
     with serve_reward_in_thread(resolve("--rm-type", "brightness")) as gone:
         pass

@@ -126,6 +126,12 @@ def test_request_roundtrip():
     assert all(torch.equal(a, b) for a, b in zip(decoded.pixels, pixels))
     plain = wire.decode_request(request_body(2, "float32"), max_samples=8)
     assert plain.groups is None and plain.reward == "brightness"
+    assert plain.seeds == [None, None] and plain.indices == [None, None]
+    # A sample's seed and index in its group, optional: what a reward's messages name.
+    sample = wire.encode_sample(pixels[0], "a", {}, encoding="float32", group=3, seed=41, index_in_group=1)
+    assert (sample["group"], sample["seed"], sample["index_in_group"]) == (3, 41, 1)
+    decoded = wire.decode_request({"wire_version": 1, "samples": [sample]}, max_samples=1)
+    assert (decoded.groups, decoded.seeds, decoded.indices) == ([3], [41], [1])
 
 
 def test_encode_request_needs_one_of_each_per_sample():
@@ -166,7 +172,9 @@ BAD_REQUESTS = [
     (("reward",), 3, "reward: expected the reward's name or null, got int"),
     (("samples",), {"a": 1}, "samples: expected a list of samples, got dict"),
     (("samples", 1), "x", "samples[1]: expected an object with prompt, metadata and pixels, got str"),
-    (("samples", 1, "index"), 0, "samples[1].index: unknown field (fields: prompt, metadata, group, pixels)"),
+    (("samples", 1, "index"), 0, "samples[1].index: unknown field (fields: prompt, metadata, group, seed, index_in_group, pixels)"),
+    (("samples", 1, "seed"), "7", "samples[1].seed: expected an integer or null, got '7'"),
+    (("samples", 1, "index_in_group"), 1.0, "samples[1].index_in_group: expected an integer or null, got 1.0"),
     (("samples", 1, "prompt"), None, "samples[1].prompt: expected a string, got NoneType"),
     (("samples", 1, "metadata"), [], "samples[1].metadata: expected an object, got list"),
     (("samples", 1, "group"), 0, "samples[1].group: give every sample a group or none (samples[0] has none)"),

@@ -1,12 +1,15 @@
 """Reward workers under Ray (``--reward-num-workers``, ``--reward-num-gpus-per-worker``),
 on a local Ray instance where a ``{"CPU": 1}`` bundle stands in for each worker's GPU:
 
+- each worker is a ``serve-reward --run-worker`` process started by its host actor, which
+  requires the workers' secret;
 - two workers score what one worker and the in-process scorer score, sample by sample,
   failures masked, and report the same reward metrics (the workers' reward counters
   summed); a changed pixel, the control, changes the rewards;
 - each worker scores one contiguous chunk of a call (whole prompt groups under
   ``--group-rm``), and calls rotate over the workers;
-- a dead worker is one line naming it and its node;
+- a worker whose server is killed is one line naming it and its node; a reward that cannot
+  be built is the reward's own one-line error;
 - the placement: one bundle per worker, GPUs per worker, ``--colocate-reward``; bad
   input is one line naming the flag.
 """
@@ -14,25 +17,34 @@ on a local Ray instance where a ``{"CPU": 1}`` bundle stands in for each worker'
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 import ray
 import torch
+import yaml
 
 from miles_core.api import Flag
+from miles_core.cli.serve_reward import add_serve_arguments
 from miles_core.cluster.placement import plan_placement
-from miles_core.cluster.reward_worker import RayRewardScorer, split_chunks
+from miles_core.cluster.reward_worker import RayRewardScorer, split_chunks, worker_values
 from miles_core.cluster.session import RaySession
 from miles_core.config.parser import flag_entries
 from miles_core.config.resolve import resolve_config
-from miles_core.errors import ConfigError, PlacementError, RewardWorkerDiedError
+from miles_core.errors import ConfigError, PlacementError, RewardError, RewardWorkerDiedError
 from miles_core.plugin_manager import OwnedFlag, get_host
 from miles_core.registry import PluginInfo
 from miles_core.training.rewards import RewardScorer
-from tests.ray_nodes import kill_actor
+from tests.fake_dists import make_dist
+from tests.test_recipes import recipe_paths, validate_recipe
 
 BASE = [
     "--hf-checkpoint",
@@ -46,6 +58,7 @@ BASE = [
     "--use-ray",
 ]
 MIXTURE = ("--reward-weights", '{"brightness": 0.5, "redness": 0.5}')
+PICKSCORE_PATHS = ("--pickscore-model-path", "org/clip", "--pickscore-processor-path", "org/processor")
 
 
 def make_samples(groups: int, *, nan: tuple[int, ...] = (), reward: str | None = None) -> list[SimpleNamespace]:
@@ -92,10 +105,18 @@ def scored(scorer: Any, samples: list[Any]) -> tuple[list[tuple], dict[str, floa
     return outcomes(samples), scorer.finish(samples)
 
 
-def register_counting(worker: Any = None) -> None:
+COUNTING_PLUGIN = """
+from miles_core.api import RewardSpec, hookimpl
+
+@hookimpl
+def miles_register_rewards():
+    return [RewardSpec(name="counting", ref="tests.reward_examples:Counting", description="counts its calls")]
+"""
+
+
+def register_counting() -> None:
     """Register ``tests.reward_examples.Counting`` (a reward counting its calls and outputs,
-    reported through ``pop_metrics``) as reward ``counting`` in this process's plugin host;
-    in an actor's through ``__ray_call__``."""
+    reported through ``pop_metrics``) as reward ``counting`` in this process's plugin host."""
     from miles_core.registry import PluginInfo, Registration
     from miles_core.specs import RewardSpec
 
@@ -103,14 +124,45 @@ def register_counting(worker: Any = None) -> None:
     get_host().registries.reward.add(Registration(spec, PluginInfo("counting", "tests", "0")))
 
 
+def counting_plugin(root: Path) -> str:
+    """A distribution under ``root`` registering reward ``counting``, as an installed plugin
+    does (the workers' servers find it on their path); returns the path entry."""
+    make_dist(root, "miles-counting", "0", {"counting": COUNTING_PLUGIN})
+    return str(root)
+
+
+def post(scorer: RayRewardScorer, index: int, path: str, body: dict[str, Any], *, key: bool = True) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", **(scorer.headers if key else {})}
+    request = urllib.request.Request(scorer.urls[index] + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def ended(pid: int, timeout: float = 30.0) -> bool:
+    """Whether process ``pid`` ends within ``timeout`` s (a zombie counts: its parent, a
+    host actor, reaps it only when it stops its server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def outputs_per_worker(scorer: RayRewardScorer) -> list[float]:
     """The outputs reward ``counting`` scored on each worker since last asked."""
-    counted = ray.get([w.counters.remote(False, ["counting"], "") for w in scorer.workers])
+    counted = [post(scorer, i, "/worker/counters", {"rewards": ["counting"], "prefix": ""})[1]["counters"] for i in range(len(scorer.urls))]
     return [c.get("counting/outputs", 0.0) for c in counted]
 
 
 @pytest.mark.exercises("--reward-num-workers", "--reward-weights", "--group-rm")
-def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, request):
+def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, request, tmp_path):
     config = resolve_config([*BASE, *MIXTURE, "--group-rm", "--reward-num-workers", "2"])
     # Sample 5's rewards are NaN: it alone is masked. The rows' own reward "counting"
     # (groups 0 and 3) reports counters, which the driver sums over the workers.
@@ -124,11 +176,20 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
     assert local_metrics["rollout/reward/failed"] == 1 and local_metrics["rollout/reward/counting/outputs"] == 4
 
     session = RaySession.start(config, engines=0, reward_worker=True)
+    # The workers' servers find the plugin as an installed one: on their path.
+    session.runtime.env_vars["PYTHONPATH"] = counting_plugin(tmp_path / "site")
     try:
-        two = session.reward_scorer()
-        assert len(two.workers) == 2 and session.runtime.plan.bundles[1:] == [{"CPU": 1.0}, {"CPU": 1.0}]
-        ray.get([worker.__ray_call__.remote(register_counting) for worker in two.workers])
-        one = RayRewardScorer(two.workers[:1], places=two.places[:1])
+        two = session.reward_scorer(tmp_path / "logs")
+        assert len(two.urls) == 2 and session.runtime.plan.bundles[1:] == [{"CPU": 1.0}, {"CPU": 1.0}]
+        # Each worker is a serve-reward process of its own, logging where the run said.
+        pids = ray.get([host.pid.remote() for host in two.hosts])
+        for pid in pids:
+            command = psutil.Process(pid).cmdline()
+            assert command[command.index("serve-reward") + 1] == "--run-worker"
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["reward_0.log", "reward_1.log"]
+        # It requires the workers' secret (the driver's client holds it).
+        assert post(two, 0, "/worker/counters", {"rewards": []}, key=False)[0] == 401
+        one = RayRewardScorer(two.urls[:1], api_key=two.api_key, places=two.places[:1])
         assert scored(one, copies(samples)) == (local, local_metrics)
         assert scored(two, copies(samples)) == (local, local_metrics)
         # Each worker scores its chunk: three groups of two go as groups 0-1 and group 2
@@ -146,15 +207,66 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
         nudged[3].pixels = nudged[3].pixels.clone()
         nudged[3].pixels[0, 0, 0] += 0.5
         assert scored(two, nudged)[0] != local
-        # A dead worker: one line naming it and its node, exit status 1.
-        kill_actor(two.workers[1], lambda: two.workers[1].describe.remote(False))
+        # A reward a row names that no plugin provides: the in-process scorer's error, exit 2.
+        unknown = make_samples(1, reward="no_such_reward")
+        with pytest.raises(RewardError) as info:
+            asyncio.run(RewardScorer(config).score(copies(unknown)))
+        with pytest.raises(RewardError) as remote:
+            asyncio.run(two.score(unknown))
+        assert str(remote.value) == str(info.value) and remote.value.exit_code == 2
+        # A worker whose server is killed: one line naming it and its node, exit status 1.
+        psutil.Process(pids[1]).kill()
+        assert ended(pids[1])
         with pytest.raises(RewardWorkerDiedError) as info:
             asyncio.run(two.score(copies(samples)))
         (node,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
         assert str(info.value).startswith(f"reward worker 1 of 2 on node {node} (") and "\n" not in str(info.value)
-        assert info.value.exit_code == 1
+        assert " died: " in str(info.value) and info.value.exit_code == 1
     finally:
         session.close()
+    assert all(ended(pid) for pid in pids)  # closing the session stopped the servers
+
+
+def test_a_reward_a_worker_cannot_build_is_its_own_one_line_error(ray_cluster, tmp_path):
+    config = resolve_config(
+        [
+            *BASE,
+            "--rm-type",
+            "pickscore",
+            "--pickscore-model-path",
+            str(tmp_path),
+            "--pickscore-processor-path",
+            str(tmp_path),
+            "--reward-num-gpus-per-worker",
+            "0",
+        ]
+    )
+    with pytest.raises(RewardError) as local:
+        RewardScorer(config)
+    session = RaySession.start(config, engines=0, reward_worker=True)
+    try:
+        with pytest.raises(RewardError) as info:
+            session.reward_scorer(tmp_path / "logs")
+    finally:
+        session.close()
+    assert str(info.value) == str(local.value) and "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("path", recipe_paths(), ids=lambda p: p.name)
+def test_a_worker_resolves_the_values_the_run_was_given(path, tmp_path):
+    """Every recipe, with a mixture and the worker flags on the command line: the values a
+    worker's server reads back from its YAML are the run's, its key left out."""
+    extra = ("--reward-weights", '{"brightness": 0.5, "pickscore": 2}', "--group-rm", "--reward-num-workers", "2", *PICKSCORE_PATHS)
+    config = validate_recipe(path, "--rollout-engine-urls", "http://10.0.0.1:30000", "--api-key", "secret", *extra)
+    values = worker_values(config)
+    assert set(values) == {dest for dest in config if config.source(dest).user_set} - {"api_key", "custom_config_path"}
+    assert values["rollout_engine_urls"] == "http://10.0.0.1:30000" and values["hf_checkpoint"] == config.hf_checkpoint
+    written = tmp_path / "reward.yaml"
+    written.write_text(yaml.safe_dump(values, sort_keys=True), encoding="utf-8")
+    argv = ["--run-worker", "--custom-config-path", str(written)]
+    worker = resolve_config(argv, prog="miles-core serve-reward", scope="reward", extend=add_serve_arguments)
+    assert {dest: worker.get(dest) for dest in values} == {dest: config.get(dest) for dest in values}
+    assert worker.reward_weights == {"brightness": 0.5, "pickscore": 2.0} and worker.command_arguments["serve_run_worker"]
 
 
 def test_chunks_are_contiguous_balanced_and_keep_groups_whole():

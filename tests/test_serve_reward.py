@@ -20,7 +20,7 @@ import torch
 
 from miles_core.config.resolve import resolve_config
 from miles_core.engine.weight_roots import resolve_roots
-from miles_core.errors import ConfigError, UsageError
+from miles_core.errors import ConfigError, RewardError, UsageError
 from miles_core.plugin_manager import get_host
 from miles_core.reward_service import wire
 from miles_core.reward_service.server import (
@@ -59,7 +59,9 @@ def in_process(config, pixels, prompts) -> list[Sample]:
 async def serving(config, *, key: str | None = None, **options):
     """The reward server on a free loopback port, in this event loop, and a client session;
     waits until ``/health`` answers (200, or 503 'failed')."""
-    app = create_reward_app(config, api_key=key, **options)
+    from miles_core.reward_service.run_worker import create_worker_app
+
+    app = (create_worker_app if options.pop("worker", False) else create_reward_app)(config, api_key=key, **options)
     server = await start_reward_server(app, "127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as session:
@@ -262,6 +264,7 @@ def test_info_keys_refusals_and_limits():
             "max_values": 2**30,
             "max_body_bytes": 4000,
             "group_rm": False,
+            "run_worker": False,
         },
     )
     assert r["no_key"][0] == 401 and r["wrong_key"] == (401, {"error": "wrong API key"})
@@ -451,3 +454,79 @@ def test_the_command_serves_until_sigterm(tmp_path):
         assert body["rewards"] == [s.reward for s in in_process(resolve("--rm-type", "brightness"), pixels, ["a", "b"])]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+# -- a run's reward worker (--run-worker) ----------------------------------------------------
+
+
+async def post_to(session, url: str, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    async with session.post(url + path, data=data, headers={"Content-Type": "application/json"}) as answer:
+        return answer.status, json.loads(await answer.read())
+
+
+def test_a_run_worker_scores_as_the_run_and_its_evaluation_do():
+    """``--run-worker``: each sample routed by its metadata.rm_type as in the run, the
+    evaluation reward on request, every outcome the run's metrics need; the public
+    ``POST /score`` is not served there, nor the worker's routes on a public server."""
+    from miles_core.reward_service.run_worker import encode_outcome
+
+    config = resolve("--rm-type", "brightness", "--eval-rm-type", "redness")
+    pixels = grid_pixels(3)
+    rows = [{}, {"rm_type": "colorfulness"}, {}]
+
+    def in_run(evaluation: bool) -> list[dict]:
+        samples = scoring_samples(pixels, ["a", "b", "c"])
+        for sample, row in zip(samples, rows):
+            sample.metadata = dict(row)
+        scorer = RewardScorer(config, evaluation=evaluation)
+        asyncio.run(scorer.score(samples))
+        return [encode_outcome(s, scorer.take_outcome(s)) for s in samples]
+
+    def body(evaluation, metadata=rows) -> dict:
+        samples = [
+            wire.encode_sample(x, p, m, encoding="float32", group=i, seed=i, index_in_group=0)
+            for i, (x, p, m) in enumerate(zip(pixels, ["a", "b", "c"], metadata))
+        ]
+        return {"wire_version": 1, "evaluation": evaluation, "samples": samples}
+
+    async def main():
+        results = {}
+        async with serving(config, worker=True) as (url, session):
+            results["describe"] = await post_to(session, url, "/worker/describe", {"evaluation": True})
+            results["train"] = await post_to(session, url, "/worker/score", body(False))
+            results["eval"] = await post_to(session, url, "/worker/score", body(True))
+            results["unknown"] = await post_to(session, url, "/worker/score", body(False, [{"rm_type": "nope"}, {}, {}]))
+            results["bad_flag"] = await post_to(session, url, "/worker/score", {**body(False), "evaluation": "yes"})
+            results["bad_rewards"] = await post_to(session, url, "/worker/counters", {"rewards": "brightness"})
+            results["score"] = await post_to(session, url, "/score", body_of(pixels, ["a", "b", "c"]))
+        async with serving(config) as (url, session):
+            results["public"] = await post_to(session, url, "/worker/score", body(False))
+        return results
+
+    r = asyncio.run(main())
+    # torch's setting is per process: the server in this thread reports this process's.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    assert r["describe"] == (200, {"reward": "redness", "group_rm": False, "deterministic_algorithms": deterministic})
+    assert r["train"] == (200, {"outcomes": in_run(False)})
+    assert r["eval"] == (200, {"outcomes": in_run(True)})
+    # The control: the rows' own reward counts in training, not in evaluation.
+    assert r["train"][1]["outcomes"][1]["scored_by"] == {"colorfulness": None} != r["eval"][1]["outcomes"][1]["scored_by"]
+    with pytest.raises(RewardError) as unknown:
+        samples = scoring_samples(pixels[:1], ["a"])
+        samples[0].metadata = {"rm_type": "nope"}
+        asyncio.run(RewardScorer(config).score(samples))
+    assert r["unknown"] == (422, {"error": str(unknown.value)})
+    assert r["bad_flag"] == (400, {"error": "evaluation: expected true or false, got 'yes'"})
+    assert r["bad_rewards"] == (400, {"error": "rewards: expected a list of reward names"})
+    assert r["score"][0] == 404 and r["public"][0] == 404
+
+
+def test_a_run_worker_needs_its_runs_secret_in_the_environment(monkeypatch):
+    from miles_core.cli.serve_reward import run
+
+    monkeypatch.delenv("MILES_API_KEY", raising=False)
+    with pytest.raises(UsageError) as info:
+        run(["--run-worker", "--rm-type", "brightness"])
+    assert str(info.value) == "--run-worker: MILES_API_KEY must hold the secret of the run that starts this worker"
+    assert info.value.exit_code == 2

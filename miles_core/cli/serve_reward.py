@@ -13,6 +13,9 @@ Access: with a key (``--api-key``, else ``--api-key-file``, else the environment
 MILES_API_KEY) every request but ``GET /health`` must carry ``Authorization: Bearer KEY``.
 With ``--allowed-weight-roots`` every path flag the served rewards' plugin sets must lie
 under a root, links resolved; requests never name a path.
+
+``--run-worker`` is how a ``--use-ray`` run starts its reward workers (docs/cluster.md,
+"Reward workers"): the run's routes instead of ``POST /score``, its key from MILES_API_KEY.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from miles_core.engine.weight_roots import resolve_roots
 from miles_core.errors import MilesError, UsageError
 from miles_core.reward_service.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SAMPLES, one_line
 
-SERVE_DESTS = ("serve_host", "serve_port", "serve_allowed_weight_roots", "serve_max_samples", "serve_max_body_bytes")
+SERVE_DESTS = ("serve_host", "serve_port", "serve_allowed_weight_roots", "serve_max_samples", "serve_max_body_bytes", "serve_run_worker")
 
 
 def add_serve_arguments(parser: OneLineParser) -> list[str]:
@@ -66,6 +69,15 @@ def add_serve_arguments(parser: OneLineParser) -> list[str]:
         metavar="BYTES",
         help="largest POST /score body; a larger one answers 413 (default: %(default)s, 256 MiB)",
     )
+    group.add_argument(
+        "--run-worker",
+        dest="serve_run_worker",
+        action="store_true",
+        help="serve as a --use-ray run's reward worker, as the run starts them (--reward-num-workers): the /worker/* "
+        "routes instead of POST /score, each sample scored as the run scores it (its metadata.rm_type included), the "
+        "evaluation reward too; its key is the one its run sets in MILES_API_KEY (a --api-key-file it is given is "
+        "then the run's, for a remote reward); not for clients of the reward wire",
+    )
     return list(SERVE_DESTS)
 
 
@@ -95,13 +107,23 @@ def run(argv: Sequence[str], prog: str = "miles-core serve-reward") -> int:
     for dest in ("serve_max_samples", "serve_max_body_bytes"):
         if own[dest] < 1:
             raise UsageError(f"--{dest.removeprefix('serve_').replace('_', '-')} {own[dest]}: must be at least 1")
-    key = resolve_api_key(config.api_key, config.api_key_file, warn=_warn)
+    if own["serve_run_worker"]:
+        # A run's worker requires its run's secret, which its host sets in the environment;
+        # the --api-key-file it was given is its run's, which a remote reward there uses.
+        key = os.environ.get(API_KEY_ENV) or None
+        if key is None:
+            raise UsageError(f"--run-worker: {API_KEY_ENV} must hold the secret of the run that starts this worker")
+    else:
+        key = resolve_api_key(config.api_key, config.api_key_file, warn=_warn)
     roots = resolve_roots(own["serve_allowed_weight_roots"]) if own["serve_allowed_weight_roots"] else None
     # Read once; gone from the environment, so no process this one starts inherits it.
     os.environ.pop(API_KEY_ENV, None)
     from miles_core.reward_service.server import check_servable
 
-    check_servable(config, roots)  # before the port is taken or anything is built
+    check_servable(config, roots, worker=own["serve_run_worker"])  # before the port is taken or anything is built
+    from miles_core.config.determinism import apply_deterministic_mode
+
+    apply_deterministic_mode(config)  # --deterministic-mode: the reward scores as in the run's own process
     warning = open_warning(prog, own["serve_host"], key)
     if warning is not None:
         _warn(warning)
@@ -134,7 +156,9 @@ async def _serve(config: Any, key: str | None, roots: Any, prog: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = create_reward_app(
+    from miles_core.reward_service.run_worker import create_worker_app
+
+    app = (create_worker_app if own["serve_run_worker"] else create_reward_app)(
         config,
         api_key=key,
         allowed_weight_roots=roots,

@@ -92,7 +92,7 @@ class BundleHolder:
         return _where()
 
 
-class _ServerHost:
+class ServerHost:
     """What the hosts of a server subprocess share: where they are, the environment
     placement gives the server, its pid and what of that environment it has."""
 
@@ -115,7 +115,7 @@ class _ServerHost:
         return {**_where(), "pid": pid, "env": process_env(pid, names) if pid is not None else {}}
 
 
-class EngineHost(_ServerHost):
+class EngineHost(ServerHost):
     """Made a Ray actor by :class:`RayEngineFleet`."""
 
     def __init__(self, checkpoint: str, args: Sequence[str], log_path: str, api_key: str | None = None) -> None:
@@ -163,7 +163,7 @@ PROBE_NAME = "placement-probe"
 know the directory is the driver's (weight syncs go through it)."""
 
 
-class SglangHost(_ServerHost):
+class SglangHost(ServerHost):
     """One sglang-diffusion server of a ``--use-ray`` run (``--rollout-engine sglang``),
     made a Ray actor by :meth:`RayEngineFleet.start_sglang`: started on this node's address,
     with its bundles' devices, its log under ``work_dir/logs`` (a restart's in
@@ -519,6 +519,7 @@ __all__ = [
     "EnginePlacement",
     "EngineHost",
     "RayEngineFleet",
+    "ServerHost",
     "SglangHost",
     "process_env",
 ]

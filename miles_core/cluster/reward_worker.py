@@ -1,79 +1,134 @@
-"""The reward on Ray: ``--reward-num-workers`` :class:`RewardWorker` actors, each holding
-the run's :class:`~miles_core.training.rewards.RewardScorer` (and the evaluation scorer,
-sharing its reward models) on its own bundle, so reward models load and run there
-instead of in the driver. :class:`RayRewardScorer` is the driver's side, with the
-scorer's interface:
+"""The reward on Ray: ``--reward-num-workers`` reward servers, each a ``miles-core
+serve-reward --run-worker`` process (:mod:`miles_core.reward_service.run_worker`) that a
+:class:`RewardServerHost` actor starts on its own bundle with the bundle's devices, so
+reward models load and run there instead of in the driver. A worker's server resolves the
+run's reward from the values the user set (written to a YAML file on its node, read with
+``--custom-config-path``; secrets left out), scores under ``--deterministic-mode`` when the
+run does, requires a secret made for the workers of every request but ``GET /health``, and
+logs to ``reward_<i>.log`` in the run directory's ``rewards/``. :class:`RayRewardScorer` is
+the driver's side, with the scorer's interface:
 
 - ``score`` splits the samples into contiguous chunks of near-equal size, one per worker
   (whole prompt groups when the reward needs them, ``--group-rm``), sends each worker its
-  chunk, and copies each sample's outcome (reward, components, failures) back onto the
-  driver's sample, so a sample whose reward failed stays masked as in one process. The
-  first chunk of a call goes to the worker after the previous call's last, so streaming
-  calls of one microgroup each spread over the workers too;
+  chunk (pixels as float32, exact), and copies each sample's outcome (reward, components,
+  failures) back onto the driver's sample, so a sample whose reward failed stays masked as
+  in one process. The first chunk of a call goes to the worker after the previous call's
+  last, so streaming calls of one microgroup each spread over the workers too;
 - ``finish`` computes the rollout's reward metrics in the driver, over all of its
   samples, from the outcomes the workers sent back and the sum of their rewards' own
   counters (``pop_metrics``): N workers report what one reports (a counter of calls
   counts the calls the N workers made). A :class:`RewardError` is raised as the
   in-process scorer raises it.
 
-A worker whose reward cannot be built reports the scorer's error when it is first asked
-(one line, exit status 2); a worker that dies is a :class:`RewardWorkerDiedError` naming
-the worker and its node (exit status 1).
+A worker whose reward cannot be built stops the run with the server's one-line error (exit
+status 2); a worker whose server dies or answers what it should not is a
+:class:`RewardWorkerDiedError` naming the worker and its node (exit status 1).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from miles_core.cluster.runtime import task_result, task_value
-from miles_core.errors import RewardWorkerDiedError
+from miles_core.cluster.engine_hosts import ServerHost
+from miles_core.cluster.placement import device_env
+from miles_core.cluster.runtime import task_result
+from miles_core.errors import FleetError, RequestError, RewardError, RewardWorkerDiedError
 
-OUTCOME_FIELDS = ("reward", "reward_components", "reward_failed", "reward_failures", "remove_sample")
-"""What scoring sets on a sample."""
+START_TIMEOUT = 600.0
+"""Seconds a reward worker's server may take to build its reward (load its models)."""
+
+CONNECT_TIMEOUT = 30.0
+"""Seconds to connect to a worker's server; a scoring request itself has no limit (a big
+reward model on a big chunk takes what it takes), a server that dies fails it at once."""
+
+ERROR_MARK = "serve-reward: error: "
 
 
-class RewardWorker:
-    """Made a Ray actor by :meth:`RayRewardScorer.start`."""
+class RewardServerHost(ServerHost):
+    """Made a Ray actor by :meth:`RayRewardScorer.start`: runs one ``serve-reward
+    --run-worker`` process on its bundle."""
 
-    def __init__(self, config: Any) -> None:
-        from miles_core.config.determinism import apply_deterministic_mode
-        from miles_core.training.rewards import RewardScorer
+    def __init__(self, values: Mapping[str, Any], log_path: str, api_key: str) -> None:
+        self.values = dict(values)
+        self.log_path = log_path
+        self.api_key = api_key
+        self.engine: Any = None
+        self.env: dict[str, str] = {}
+        self.directory: Path | None = None
 
-        apply_deterministic_mode(config)  # the one-process run scores its rewards under it too
-        self.config = config
-        self.scorers: dict[bool, Any] = {}
-        self.error: Exception | None = None
+    def start(self, timeout: float = START_TIMEOUT) -> str:
+        """Start the server and wait until its reward is built; returns its URL. A reward
+        that cannot be built raises the server's one-line :class:`RewardError`; a server
+        that fails otherwise, :class:`FleetError` naming its log."""
+        import ray
+        import yaml
+
+        from miles_core.engine.fleet import launch_server, wait_for
+
+        self.stop()
+        self.directory = Path(tempfile.mkdtemp(prefix="miles-reward-worker-"))
+        config_path = self.directory / "reward.yaml"
+        config_path.write_text(yaml.safe_dump(self.values, sort_keys=True), encoding="utf-8")
+        # The server imports what this actor can (a --custom-rm-path module beside the driver's script).
+        python_path = os.pathsep.join(dict.fromkeys(p for p in sys.path if p and os.path.isdir(p)))
+        host = ray.util.get_node_ip_address()
+        args = ("--run-worker", "--custom-config-path", str(config_path), "--host", host, "--port", "0")
+        self.engine = launch_server(
+            "serve-reward",
+            *args,
+            log_path=self.log_path,
+            threads=None,
+            env={"PYTHONPATH": python_path, **self.env},
+            api_key=self.api_key,
+            kind="reward worker server",
+        )
         try:
-            self.scorers[False] = RewardScorer(config)
-        except Exception as exc:  # raised by describe: an actor whose constructor raises dies with Ray's many lines
-            self.error = exc
+            wait_for([self.engine], timeout, healthy=True)
+        except FleetError:
+            status = self.engine.process.poll()
+            error = _error_line(self.log_path)
+            self.stop()
+            if status == 2 and error is not None:  # the run's reward cannot be built: the error a run gives in-process
+                raise RewardError(error) from None
+            raise
+        return self.engine.url
 
-    def _scorer(self, evaluation: bool) -> Any:
-        if self.error is not None:
-            raise self.error
-        if evaluation not in self.scorers:
-            from miles_core.training.rewards import RewardScorer
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop(timeout=30)
+            self.engine = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
-            self.scorers[evaluation] = RewardScorer(self.config, evaluation=True, share=self.scorers[False])
-        return self.scorers[evaluation]
 
-    def describe(self, evaluation: bool) -> tuple[str, bool]:
-        scorer = self._scorer(evaluation)
-        return scorer.name, scorer.needs_whole_groups
+def worker_values(config: Any) -> dict[str, Any]:
+    """What a worker's server resolves its configuration from (its ``--custom-config-path``
+    YAML): every value the user set, but secrets (``--api-key``) and the run's own YAML
+    path. ``--api-key-file`` stays: a ``remote`` reward on the worker reads its key there,
+    as in the driver (the worker's own key comes from its host)."""
+    from miles_core.config.document import user_values
 
-    async def score(self, evaluation: bool, samples: Sequence[Any]) -> list[dict[str, Any]]:
-        """Score the copies of the driver's samples; per sample its outcome fields and,
-        under ``scored_by``, what :meth:`RewardScorer.finish` needs of it."""
-        scorer = self._scorer(evaluation)
-        await scorer.score(samples)
-        return [
-            {**{name: getattr(sample, name) for name in OUTCOME_FIELDS}, "scored_by": scorer.take_outcome(sample)} for sample in samples
-        ]
+    return user_values(config, leave_out=("custom_config_path",))
 
-    def counters(self, evaluation: bool, rewards: Sequence[str], prefix: str) -> dict[str, float]:
-        return self._scorer(evaluation).pop_counters(rewards, prefix)
+
+def _error_line(log_path: str) -> str | None:
+    """The one-line error ``serve-reward`` printed before it stopped, if any."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if ERROR_MARK in line:
+            return line.split(ERROR_MARK, 1)[1].strip()
+    return None
 
 
 def split_chunks(samples: Sequence[Any], parts: int, *, whole_groups: bool) -> list[list[int]]:
@@ -98,81 +153,172 @@ def split_chunks(samples: Sequence[Any], parts: int, *, whole_groups: bool) -> l
 
 
 class RayRewardScorer:
-    """The driver's handle on the run's :class:`RewardWorker` actors (see the module
-    docstring). ``places``: per worker, where it runs, for messages."""
+    """The driver's client of the run's reward worker servers (see the module docstring).
+    ``places``: per worker, where it runs, for messages; ``hosts``: their
+    :class:`RewardServerHost` actors, which :meth:`close` stops."""
 
-    def __init__(self, workers: Sequence[Any], *, evaluation: bool = False, places: Sequence[str] | None = None) -> None:
-        import ray
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None,
+        evaluation: bool = False,
+        places: Sequence[str] | None = None,
+        hosts: Sequence[Any] = (),
+    ) -> None:
+        from miles_core.engine.auth import auth_headers
 
-        self._ray = ray
-        self.workers = list(workers)
+        self.urls = list(urls)
+        self.api_key = api_key
+        self.headers = auth_headers(api_key)
         self.evaluation = evaluation
-        self.places = list(places) if places is not None else ["an unknown node"] * len(self.workers)
+        self.places = list(places) if places is not None else ["an unknown node"] * len(self.urls)
+        self.hosts = list(hosts)
         self._next = 0
         self._outcomes: dict[int, dict[str, str | None]] = {}
-        described = self._get([worker.describe.remote(evaluation) for worker in self.workers])
-        self.name, self.needs_whole_groups = described[0]
+        from miles_core.reward_service.retry import run_in_new_loop
+
+        described = run_in_new_loop(self._post_all("/worker/describe", {"evaluation": evaluation}))
+        self.name, self.needs_whole_groups = described[0]["reward"], described[0]["group_rm"]
+        self.deterministic_algorithms = [bool(d.get("deterministic_algorithms")) for d in described]
 
     @property
     def worker(self) -> Any:
-        """The first worker (the only one with ``--reward-num-workers 1``)."""
-        return self.workers[0]
+        """The first worker's host actor (the only one with ``--reward-num-workers 1``)."""
+        return self.hosts[0]
 
     @classmethod
-    def start(cls, config: Any, runtime: Any) -> RayRewardScorer:
-        """Start the run's reward workers, one on each of its bundles of the placement group."""
+    def start(cls, config: Any, runtime: Any, log_dir: str | Path | None = None) -> RayRewardScorer:
+        """Start the run's reward workers, one on each of its bundles of the placement group,
+        their logs in ``log_dir`` (None: a temporary directory); on a failure the ones
+        started are stopped."""
         import ray
 
+        from miles_core.engine.auth import new_secret
+
         plan = runtime.plan
-        workers = []
-        for bundle in plan.rewards:
-            # A bundle's GPU share may be a fraction, which the default share of its device is not.
-            options = {**runtime.options(bundle, plan.reward_share), "num_gpus": plan.reward_gpus}
-            workers.append(ray.remote(RewardWorker).options(**options).remote(config))
-        return cls(workers, places=_places(runtime, plan.rewards))
+        key = new_secret()  # the workers': only the driver and their hosts hold it
+        values = worker_values(config)
+        logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="miles-reward-workers-"))
+        hosts: list[Any] = []
+        try:
+            for index, bundle in enumerate(plan.rewards):
+                # A bundle's GPU share may be a fraction, which the default share of its device is not.
+                options = {**runtime.options(bundle, plan.reward_share), "num_gpus": plan.reward_gpus}
+                hosts.append(ray.remote(RewardServerHost).options(**options).remote(values, str(logs / f"reward_{index}.log"), key))
+            wheres = task_result([host.where.remote() for host in hosts])
+            task_result([host.place.remote(device_env(plan.device, [where["gpu_ids"]])) for host, where in zip(hosts, wheres)])
+            urls = task_result([host.start.remote() for host in hosts])
+            return cls(urls, api_key=key, places=_places(runtime, plan.rewards), hosts=hosts)
+        except BaseException:
+            _stop(hosts)
+            raise
 
     def evaluation_scorer(self) -> RayRewardScorer:
         """The evaluation scorer on the same workers (sharing their reward models)."""
-        return RayRewardScorer(self.workers, evaluation=True, places=self.places)
+        return RayRewardScorer(self.urls, api_key=self.api_key, evaluation=True, places=self.places)
 
-    def _died(self, index: int, exc: BaseException) -> RewardWorkerDiedError:
-        lines = str(exc).strip().splitlines()
-        return RewardWorkerDiedError(
-            f"reward worker {index} of {len(self.workers)} on {self.places[index]} died: {lines[0] if lines else type(exc).__name__}"
-        )
+    def _failed(self, index: int, what: str) -> RewardWorkerDiedError:
+        return RewardWorkerDiedError(f"reward worker {index} of {len(self.urls)} on {self.places[index]} {what}")
 
-    def _get(self, refs: list[Any]) -> list[Any]:
-        values = []
-        for index, ref in enumerate(refs):
-            try:
-                values.append(task_result(ref))
-            except self._ray.exceptions.RayActorError as exc:
-                raise self._died(index, exc) from None
-        return values
+    async def _post(self, session: Any, index: int, path: str, body: Any) -> Any:
+        """POST ``body`` (JSON, or bytes already encoded) to worker ``index``; its answer.
+        A worker that cannot be reached or answers other than 200 is
+        :class:`RewardWorkerDiedError`; a 422 (the reward cannot be used) the reward's
+        :class:`RewardError`."""
+        import json
 
-    async def _score_on(self, index: int, samples: list[Any]) -> list[dict[str, Any]]:
+        import aiohttp
+
+        data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
+        headers = {**self.headers, "Content-Type": "application/json"}
         try:
-            return await task_value(self.workers[index].score.remote(self.evaluation, samples))
-        except self._ray.exceptions.RayActorError as exc:
-            raise self._died(index, exc) from None
+            async with session.post(self.urls[index] + path, data=data, headers=headers) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise self._failed(index, f"died: {type(exc).__name__}: {reason}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise self._failed(index, f"answered {status} with what is not JSON: {raw[:80]!r}") from None
+        message = answer.get("error") if isinstance(answer, dict) else None
+        if status == 422 and isinstance(message, str):
+            raise RewardError(message)
+        if status != 200:
+            raise self._failed(index, f"answered {status} to POST {path}: {message or raw[:80]!r}")
+        return answer
+
+    def _session(self) -> Any:
+        import aiohttp
+
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT))
+
+    async def _post_all(self, path: str, body: Any) -> list[Any]:
+        async with self._session() as session:
+            return list(await asyncio.gather(*(self._post(session, i, path, body) for i in range(len(self.urls)))))
+
+    def _request(self, samples: list[Any]) -> bytes:
+        """A ``/worker/score`` body for ``samples`` (in a thread: encoding takes a while)."""
+        import json
+
+        from miles_core.reward_service.wire import WIRE_VERSION, encode_sample
+
+        entries = []
+        for position, sample in enumerate(samples):
+            group = getattr(sample, "group_index", None)
+            try:
+                entries.append(
+                    encode_sample(
+                        sample.pixels,
+                        sample.prompt,
+                        getattr(sample, "metadata", None) or {},
+                        encoding="float32",
+                        group=-1 - position if group is None else group,
+                        seed=getattr(sample, "seed", None),
+                        index_in_group=getattr(sample, "index_in_group", None),
+                    )
+                )
+            except RequestError as exc:
+                raise RewardError(
+                    f"reward workers: the sample of prompt {str(sample.prompt)[:40]!r} cannot be sent to a worker: {exc}"
+                ) from None
+        return json.dumps({"wire_version": WIRE_VERSION, "evaluation": self.evaluation, "samples": entries}).encode("utf-8")
+
+    async def _score_on(self, session: Any, index: int, samples: list[Any]) -> list[dict[str, Any]]:
+        from miles_core.reward_service.run_worker import decode_outcomes
+
+        body = await asyncio.to_thread(self._request, samples)
+        answer = await self._post(session, index, "/worker/score", body)
+        try:
+            return decode_outcomes(answer, len(samples))
+        except RewardError as exc:
+            raise self._failed(index, f"answered what is not the worker wire: {exc}") from None
 
     async def score(self, samples: Sequence[Any]) -> Any:
         import torch
 
         samples = list(samples)
-        chunks = split_chunks(samples, len(self.workers), whole_groups=self.needs_whole_groups) if samples else []
-        first, self._next = self._next, (self._next + len(chunks)) % len(self.workers)
-        workers = [(first + offset) % len(self.workers) for offset in range(len(chunks))]
-        results = await asyncio.gather(*(self._score_on(w, [samples[i] for i in chunk]) for w, chunk in zip(workers, chunks)))
+        chunks = split_chunks(samples, len(self.urls), whole_groups=self.needs_whole_groups) if samples else []
+        first, self._next = self._next, (self._next + len(chunks)) % len(self.urls)
+        workers = [(first + offset) % len(self.urls) for offset in range(len(chunks))]
+        async with self._session() as session:
+            results = await asyncio.gather(*(self._score_on(session, w, [samples[i] for i in chunk]) for w, chunk in zip(workers, chunks)))
         for chunk, outcomes in zip(chunks, results):
             for index, outcome in zip(chunk, outcomes):
                 sample = samples[index]
-                self._outcomes[id(sample)] = outcome.pop("scored_by")
-                for name, value in outcome.items():
-                    setattr(sample, name, value)
+                self._outcomes[id(sample)] = outcome["scored_by"]
+                sample.reward = float(outcome["reward"])
+                sample.reward_components = {k: float(v) for k, v in outcome["components"].items()}
+                sample.reward_failures = {k: bool(v) for k, v in outcome["failures"].items()}
+                sample.reward_failed = outcome["failed"]
+                if outcome["failed"]:
+                    sample.remove_sample = True
         return torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
 
     def finish(self, samples: Sequence[Any], *, prefix: str = "rollout/reward/") -> dict[str, float]:
+        from miles_core.reward_service.retry import run_in_new_loop
         from miles_core.training.rewards import summarize_rewards
 
         outcomes = [self._outcomes.pop(id(sample), None) or {} for sample in samples]
@@ -180,16 +326,29 @@ class RayRewardScorer:
         def counters(rewards: list[str]) -> dict[str, float]:
             totals: dict[str, float] = {}
             if rewards:
-                for part in self._get([w.counters.remote(self.evaluation, rewards, prefix) for w in self.workers]):
-                    for key, value in part.items():
+                body = {"evaluation": self.evaluation, "rewards": rewards, "prefix": prefix}
+                for answer in run_in_new_loop(self._post_all("/worker/counters", body)):
+                    for key, value in answer["counters"].items():
                         totals[key] = totals.get(key, 0.0) + value
             return totals
 
         return summarize_rewards(samples, outcomes, counters, name=self.name, evaluation=self.evaluation, prefix=prefix)
 
     def close(self) -> None:
-        for worker in self.workers:
-            self._ray.kill(worker)
+        _stop(self.hosts)
+        self.hosts = []
+
+
+def _stop(hosts: Sequence[Any]) -> None:
+    """Stop each host's server, then the host (one that died has nothing to stop)."""
+    import ray
+
+    for host in hosts:
+        try:
+            task_result(host.stop.remote(), timeout=60)
+        except Exception:
+            pass
+        ray.kill(host)
 
 
 def _places(runtime: Any, bundles: Sequence[int]) -> list[str]:
@@ -205,4 +364,4 @@ def _places(runtime: Any, bundles: Sequence[int]) -> list[str]:
     return [f"node {addresses.get(where.get(b, ''), '?')} ({where.get(b, '?')[:8]})" for b in bundles]
 
 
-__all__ = ["RayRewardScorer", "RewardWorker", "split_chunks"]
+__all__ = ["RayRewardScorer", "RewardServerHost", "split_chunks", "worker_values"]

@@ -1,5 +1,5 @@
 """What a ``--use-ray`` run holds on the cluster, from start to finish: the Ray
-connection and placement group, the training-rank actors, the reward worker (and the
+connection and placement group, the training-rank actors, the reward workers (and the
 engine servers the run starts, the embedded engine's actor among them);
 :meth:`RaySession.close` releases them all, in reverse."""
 
@@ -34,12 +34,13 @@ class RaySession:
         self._closers.append(self.trainer.close)
         return self.trainer
 
-    def reward_scorer(self) -> Any:
-        """The run's reward on its ``--reward-num-workers`` workers (one scorer per session)."""
+    def reward_scorer(self, log_dir: Any = None) -> Any:
+        """The run's reward on its ``--reward-num-workers`` worker servers (one scorer per
+        session), their logs in ``log_dir`` (None: a temporary directory)."""
         if self.scorer is None:
             from miles_core.cluster.reward_worker import RayRewardScorer
 
-            self.scorer = RayRewardScorer.start(self.config, self.runtime)
+            self.scorer = RayRewardScorer.start(self.config, self.runtime, log_dir)
             self._closers.append(self.scorer.close)
         return self.scorer
 

@@ -24,6 +24,18 @@ SECRET_FLAGS = ("wandb_key", "api_key")
 """Values never written out (config.yaml, ``miles-core config``, W&B)."""
 
 
+def user_values(config: Config, *, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values the user set (command line or ``--custom-config-path``) as a flat mapping
+    of dest to plain value, which ``--custom-config-path`` reads back: what a process the
+    run starts (a reward worker's ``serve-reward``) resolves its configuration from.
+    :data:`SECRET_FLAGS` and ``leave_out`` are left out."""
+    return {
+        dest: _plain(config.get(dest))
+        for dest in config
+        if config.source(dest).user_set and dest not in SECRET_FLAGS and dest not in leave_out
+    }
+
+
 def config_document(config: Config) -> dict[str, Any]:
     document: dict[str, Any] = {}
     for group, values in config.as_dict().items():

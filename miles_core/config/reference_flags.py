@@ -1061,7 +1061,8 @@ _TABLE: tuple[Flag, ...] = (
         "--reward-num-workers",
         "int",
         1,
-        "Not in the reference. Reward-worker actors under --use-ray, each on a bundle of its own: every scoring "
+        "Not in the reference. Reward workers under --use-ray, each a serve-reward --run-worker process that a Ray "
+        "actor starts on a bundle of its own: every scoring "
         "call is split into contiguous chunks (whole prompt groups under --group-rm), one per worker, and the "
         "rewards and metrics are those of one worker. With --colocate-reward, one per rollout device at most. "
         "The miles-rewards plugin's --pickscore-num-workers is another name for it.",
@@ -1483,9 +1484,9 @@ HARDWARE_ONLY: dict[str, str] = {
     "instead of devices of their own, where the two take turns (--offload-train and --offload-rollout, which --colocate "
     "turns on).",
     "--colocate-reward": "places reward actors on the rollout GPUs next to colocated engines and trainer.",
-    "--reward-num-workers": "starts that many reward-worker actors (under --use-ray), each on a bundle of its own, "
+    "--reward-num-workers": "starts that many reward workers (under --use-ray), serve-reward processes each on a bundle of its own, "
     "and splits every scoring call over them.",
-    "--reward-num-gpus-per-worker": "gives each reward-worker actor (under --use-ray) that many GPUs (fractions share one).",
+    "--reward-num-gpus-per-worker": "gives each reward worker (under --use-ray) that many GPUs (fractions share one).",
     "--distributed-backend": "chooses the torch.distributed backend of the training ranks' process group.",
     "--distributed-timeout-minutes": "bounds how long the training ranks' collectives may wait.",
     "--dp-replicate-size": "splits the data-parallel ranks into replicas of FSDP2 shard groups (hybrid sharding).",

@@ -96,11 +96,37 @@ def launch_engine(
     env: Mapping[str, str] | None = None,
     api_key: str | None = None,
 ) -> ServedEngine:
-    """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` (stderr to
+    """Start ``miles-core serve-engine --hf-checkpoint CHECKPOINT --port 0 ARGS`` (see
+    :func:`launch_server`); does not wait."""
+    return launch_server(
+        "serve-engine",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--port",
+        "0",
+        *args,
+        log_path=log_path,
+        threads=threads,
+        env=env,
+        api_key=api_key,
+    )
+
+
+def launch_server(
+    command: str,
+    *args: str,
+    log_path: str | Path,
+    threads: int | None = 1,
+    env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
+    kind: str = ServedEngine.kind,
+) -> ServedEngine:
+    """Start ``miles-core COMMAND ARGS``, a server that prints ``serving ... URL`` once it
+    serves (``serve-engine``, ``serve-reward``), in a session of its own (stderr to
     ``log_path``; ``threads``: its torch threads, None to leave them alone; ``env``: set
-    over this process's environment, e.g. the devices of a Ray engine's bundles;
+    over this process's environment, e.g. the devices of a Ray actor's bundles;
     ``api_key``: the key it requires, in its ``MILES_API_KEY``, which is otherwise taken
-    from ``env`` only); does not wait."""
+    from ``env`` only; ``kind``: what its errors call it); does not wait."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     extra_env, env = env, dict(os.environ)
@@ -112,13 +138,15 @@ def launch_engine(
         env[API_KEY_ENV] = api_key
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "miles_core.cli.main", "serve-engine", "--hf-checkpoint", str(checkpoint), "--port", "0", *args],
+            [sys.executable, "-m", "miles_core.cli.main", command, *args],
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
             start_new_session=True,
         )
-    return ServedEngine(process, log_path)
+    server = ServedEngine(process, log_path)
+    server.kind = kind
+    return server
 
 
 def wait_for(engines: Sequence[ServedEngine], timeout: float, *, healthy: bool, interval: float = 0.1) -> None:
@@ -314,6 +342,7 @@ __all__ = [
     "ServedEngine",
     "accepts_ipc_weights",
     "launch_engine",
+    "launch_server",
     "serve_arguments",
     "start_engine",
     "wait_for",

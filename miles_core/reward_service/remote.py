@@ -138,6 +138,11 @@ class RemoteReward:
             raise RewardError(
                 f"reward remote: --rm-url {url}: GET /info is not a reward server's (no 'reward' and 'wire_version'); is it a reward server?"
             )
+        if info.get("run_worker"):
+            raise RewardError(
+                f"reward remote: --rm-url {url} is a --use-ray run's reward worker (serve-reward --run-worker), which serves "
+                "only its run; start a reward server with serve-reward --rm-type NAME"
+            )
         if info["wire_version"] != WIRE_VERSION:
             raise RewardError(
                 f"reward remote: --rm-url {url}: speaks reward wire version {info['wire_version']!r}, this client version {WIRE_VERSION}"

@@ -181,16 +181,17 @@ def reward_records(config: Any, scorer_name: str | None = None) -> list[dict[str
     return records
 
 
-def check_servable(config: Any, roots: Sequence[Path] | None) -> None:
+def check_servable(config: Any, roots: Sequence[Path] | None, *, worker: bool = False) -> None:
     """Refuse, in one line, a configuration a reward server cannot serve: no reward,
     ``--rm-type remote`` (:class:`~miles_core.errors.UsageError`), or with ``roots``
     (``--allowed-weight-roots``, resolved) a set path flag of a served reward
     (:func:`weight_paths`) that is not a local path under one of them, links resolved
-    (:class:`~miles_core.errors.ConfigError`). Runs before anything is built."""
+    (:class:`~miles_core.errors.ConfigError`). Runs before anything is built. A run's
+    ``worker`` scores with whatever reward the run does, ``remote`` included."""
     if not (config.get("custom_rm_path") or config.get("reward_weights") or config.get("rm_type")):
         raise UsageError("no reward to serve: give --rm-type NAME, --reward-weights (a mixture) or --custom-rm-path")
     names = served_rewards(config)
-    if "remote" in names:
+    if "remote" in names and not worker:
         where = "--reward-weights names remote" if config.get("reward_weights") else "--rm-type remote"
         raise UsageError(f"{where}: a reward server scores itself; serve the reward its clients should get (--rm-type NAME)")
     if roots is None:
@@ -229,11 +230,16 @@ class RewardState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_ready: Callable[[Any], None] | None = None
     on_build_error: Callable[[BaseException], None] | None = None
+    worker: bool = False
+    """``--run-worker``: a ``--use-ray`` run's reward worker (:mod:`.run_worker`)."""
     scorer: Any = None
     info: dict[str, Any] | None = None
     error: BaseException | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    evaluation_scorer: Any = None
+    """A run worker's evaluation scorer, sharing the scorer's models (built when first asked)."""
+    evaluation_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def build(self) -> None:
         """Build the reward, then hash its weights (in the builder thread)."""
@@ -241,10 +247,12 @@ class RewardState:
 
         try:
             scorer = RewardScorer(self.config)
-            # A request names no reward: a sample's metadata.rm_type (which a training run
-            # routes to a reward of its own before it reaches a remote one) is ignored here,
-            # as an evaluation reward set ignores it, so no request builds another reward.
-            scorer.fixed = True
+            if not self.worker:
+                # A request names no reward: a sample's metadata.rm_type (which a training run
+                # routes to a reward of its own before it reaches a remote one) is ignored here,
+                # as an evaluation reward set ignores it, so no request builds another reward.
+                # A run's own worker scores each sample as the run would, rm_type included.
+                scorer.fixed = True
             records = reward_records(self.config, scorer.name)  # the weights hashed once, here
             self.info = {
                 "wire_version": WIRE_VERSION,
@@ -255,6 +263,7 @@ class RewardState:
                 "max_values": self.max_values,
                 "max_body_bytes": self.max_body_bytes,
                 "group_rm": scorer.needs_whole_groups,
+                "run_worker": self.worker,
             }
             self.scorer = scorer
             if self.on_ready is not None:
@@ -297,6 +306,7 @@ def create_reward_app(
     max_values: int = DEFAULT_MAX_VALUES,
     on_ready: Callable[[Any], None] | None = None,
     on_build_error: Callable[[BaseException], None] | None = None,
+    worker: bool = False,
 ) -> web.Application:
     """The application serving ``config``'s reward; :func:`start_reward_server` starts it
     and builds the reward in the background. :func:`check_servable` runs here, so a
@@ -304,12 +314,16 @@ def create_reward_app(
     resolved roots (:func:`miles_core.engine.weight_roots.resolve_roots`), None for no
     check. ``on_ready(scorer)`` and ``on_build_error(exc)`` are called from the builder
     thread."""
-    check_servable(config, allowed_weight_roots)
+    check_servable(config, allowed_weight_roots, worker=worker)
     # The key is checked first (outermost): a refused request's body is never read.
     middlewares = [_errors] if api_key is None else [bearer_middleware(api_key), _errors]
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
-    app[STATE] = RewardState(config, max_samples, max_values, max_body_bytes, on_ready=on_ready, on_build_error=on_build_error)
-    app.add_routes([web.get("/health", _health), web.get("/info", _info), web.post("/score", _score)])
+    app[STATE] = RewardState(
+        config, max_samples, max_values, max_body_bytes, on_ready=on_ready, on_build_error=on_build_error, worker=worker
+    )
+    app.add_routes([web.get("/health", _health), web.get("/info", _info)])
+    if not worker:  # a worker's routes are added by miles_core.reward_service.run_worker.create_worker_app
+        app.add_routes([web.post("/score", _score)])
     return app
 
 
@@ -355,21 +369,26 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
-def _parse(raw: bytes, scorer: Any, state: RewardState) -> ScoreRequest:
-    """The request in ``raw`` (in a worker thread: decoding PNGs takes a while)."""
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON; :class:`RequestError` when it is empty or not JSON."""
     if not raw:
         raise RequestError("body", "empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError("body", f"not valid JSON ({exc})") from None
+
+
+def _parse(raw: bytes, scorer: Any, state: RewardState) -> ScoreRequest:
+    """The request in ``raw`` (in a worker thread: decoding PNGs takes a while)."""
+    body = parse_json(raw)
     reward = body.get("reward") if isinstance(body, dict) else None
     if isinstance(reward, str) and reward != scorer.name:  # before any pixel is decoded
         raise ServiceError(409, f"reward: the request expects {reward!r}; this server serves {scorer.name!r}")
     return decode_request(body, max_samples=state.max_samples, max_values=state.max_values)
 
 
-def _samples(request: ScoreRequest, group_rm: bool) -> list[Any]:
+def request_samples(request: ScoreRequest, group_rm: bool) -> list[Any]:
     """Samples as a rollout makes them: each request sample its own group unless the
     request groups them (a ``--group-rm`` reward needs the groups)."""
     from miles_core.request import RolloutOutput
@@ -385,7 +404,10 @@ def _samples(request: ScoreRequest, group_rm: bool) -> list[Any]:
     for i, (prompt, metadata, pixels, group) in enumerate(zip(request.prompts, request.metadata, request.pixels, groups)):
         index = counts.get(group, 0)
         counts[group] = index + 1
-        output = RolloutOutput(request_id=f"score-{group}", prompt=prompt, seed=i, generated_output=pixels)
+        if request.indices[i] is not None:
+            index = request.indices[i]
+        seed = request.seeds[i] if request.seeds[i] is not None else i
+        output = RolloutOutput(request_id=f"score-{group}", prompt=prompt, seed=seed, generated_output=pixels)
         samples.append(
             Sample(
                 prompt=prompt,
@@ -393,7 +415,7 @@ def _samples(request: ScoreRequest, group_rm: bool) -> list[Any]:
                 rollout_id=0,
                 group_index=group,
                 index_in_group=index,
-                seed=i,
+                seed=seed,
                 sde_step_indices=(),
                 output=output,
             )
@@ -432,7 +454,7 @@ async def _score(request: web.Request) -> web.Response:
     scorer = state.require()
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge, 413
     parsed = await asyncio.to_thread(_parse, raw, scorer, state)
-    samples = _samples(parsed, scorer.needs_whole_groups)
+    samples = request_samples(parsed, scorer.needs_whole_groups)
     try:
         await scorer.score(samples)
     finally:  # the scorer keeps each sample's outcome until it is taken
@@ -456,6 +478,9 @@ __all__ = [
     "check_servable",
     "create_reward_app",
     "is_path_flag",
+    "one_line",
+    "parse_json",
+    "request_samples",
     "reward_records",
     "served_rewards",
     "start_reward_server",

@@ -6,7 +6,8 @@ no HTTP: the server (:mod:`miles_core.reward_service.server`) and the client
 A request::
 
     {"wire_version": 1, "reward": "pickscore" | null,
-     "samples": [{"prompt": str, "metadata": {...}, "group": int (optional), "pixels": PIXELS}, ...]}
+     "samples": [{"prompt": str, "metadata": {...}, "group": int (optional), "seed": int (optional),
+                  "index_in_group": int (optional), "pixels": PIXELS}, ...]}
 
 ``PIXELS`` carries one output, an image ``[C, H, W]`` or a video ``[C, F, H, W]``:
 
@@ -58,7 +59,7 @@ _PNG_COMPRESS_LEVEL = 1
 """zlib level of the PNGs we write: lossless at every level; 1 encodes several times faster
 than Pillow's default 6 for a few percent more bytes."""
 
-_SAMPLE_FIELDS = ("prompt", "metadata", "group", "pixels")
+_SAMPLE_FIELDS = ("prompt", "metadata", "group", "seed", "index_in_group", "pixels")
 _REQUEST_FIELDS = ("wire_version", "reward", "samples")
 
 
@@ -74,6 +75,10 @@ class ScoreRequest:
     """float32 ``[C, H, W]`` or ``[C, F, H, W]``, one per sample."""
     groups: list[int] | None
     """Each sample's prompt group, or None when the request gave none."""
+    seeds: list[int | None]
+    """Each sample's seed where the request gave one (what a reward's messages name)."""
+    indices: list[int | None]
+    """Each sample's index in its prompt group where the request gave one."""
 
 
 # -- pixels ------------------------------------------------------------------------------
@@ -208,7 +213,14 @@ def _png_frame(data: bytes, where: str, width: int, height: int) -> np.ndarray:
 
 
 def encode_sample(
-    pixels: torch.Tensor, prompt: str, metadata: Mapping[str, Any] | None, *, encoding: str, group: int | None = None
+    pixels: torch.Tensor,
+    prompt: str,
+    metadata: Mapping[str, Any] | None,
+    *,
+    encoding: str,
+    group: int | None = None,
+    seed: int | None = None,
+    index_in_group: int | None = None,
 ) -> dict[str, Any]:
     """One entry of a request's ``samples``; :class:`~miles_core.errors.RequestError`
     naming the field for what cannot go on the wire (pixels png cannot carry, metadata
@@ -218,8 +230,9 @@ def encode_sample(
         json.dumps(sample["metadata"], allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise RequestError("metadata", f"not JSON ({exc})") from None
-    if group is not None:
-        sample["group"] = int(group)
+    for name, value in (("group", group), ("seed", seed), ("index_in_group", index_in_group)):
+        if value is not None:
+            sample[name] = int(value)
     sample["pixels"] = encode_pixels(pixels, encoding)
     return sample
 
@@ -285,6 +298,8 @@ def decode_request(body: Any, *, max_samples: int, max_values: int = DEFAULT_MAX
     prompts: list[str] = []
     metadata: list[dict[str, Any]] = []
     groups: list[int] = []
+    seeds: list[int | None] = []
+    indices: list[int | None] = []
     grouped = False
     checked: list[tuple[str, Any]] = []
     declared = 0
@@ -312,6 +327,11 @@ def decode_request(body: Any, *, max_samples: int, max_values: int = DEFAULT_MAX
             if not _is_int(group):
                 raise RequestError(f"{where}.group", f"expected an integer, got {group!r:.40}")
             groups.append(group)
+        for name, into in (("seed", seeds), ("index_in_group", indices)):
+            value = sample.get(name)
+            if value is not None and not _is_int(value):
+                raise RequestError(f"{where}.{name}", f"expected an integer or null, got {value!r:.40}")
+            into.append(value)
         if "pixels" not in sample:
             raise RequestError(f"{where}.pixels", "missing; every sample carries its output's pixels")
         _, shape = _pixels_object(sample["pixels"], f"{where}.pixels")
@@ -330,7 +350,9 @@ def decode_request(body: Any, *, max_samples: int, max_values: int = DEFAULT_MAX
         prompts.append(prompt)
         metadata.append(meta)
     pixels = [decode_pixels(obj, where) for where, obj in checked]
-    return ScoreRequest(reward=reward, prompts=prompts, metadata=metadata, pixels=pixels, groups=groups if groups else None)
+    return ScoreRequest(
+        reward=reward, prompts=prompts, metadata=metadata, pixels=pixels, groups=groups if groups else None, seeds=seeds, indices=indices
+    )
 
 
 # -- answers -----------------------------------------------------------------------------

@@ -46,8 +46,10 @@ def test_the_pickscore_flags_set_the_reward_worker_flags(tmp_path):
     yaml.write_text("pickscore_num_workers: 4\n")
     assert resolve("--custom-config-path", str(yaml)).reward_num_workers == 4
     # Without Ray the note names the flag that was given.
-    (note,) = [n for n in resolve("--pickscore-num-workers", "2").notes if "reward-worker" in n]
-    assert note.startswith("--pickscore-num-workers 2: with the hardware it needs, it starts that many reward-worker actors")
+    (note,) = [n for n in resolve("--pickscore-num-workers", "2").notes if "reward workers" in n]
+    assert note.startswith(
+        "--pickscore-num-workers 2: with the hardware it needs, it starts that many reward workers (under --use-ray), serve-reward processes"
+    )
 
 
 def test_an_alias_and_its_flag_with_different_values_is_one_line_naming_both():
