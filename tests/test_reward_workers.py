@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import urllib.error
@@ -42,6 +43,7 @@ from miles_core.config.resolve import resolve_config
 from miles_core.errors import ConfigError, PlacementError, RewardError, RewardWorkerDiedError
 from miles_core.plugin_manager import OwnedFlag, get_host
 from miles_core.registry import PluginInfo
+from miles_core.testing import serve_reward_in_thread
 from miles_core.training.rewards import RewardScorer
 from tests.fake_dists import make_dist
 from tests.test_recipes import recipe_paths, validate_recipe
@@ -162,7 +164,7 @@ def outputs_per_worker(scorer: RayRewardScorer) -> list[float]:
 
 
 @pytest.mark.exercises("--reward-num-workers", "--reward-weights", "--group-rm")
-def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, request, tmp_path):
+def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, request, tmp_path, caplog):
     config = resolve_config([*BASE, *MIXTURE, "--group-rm", "--reward-num-workers", "2"])
     # Sample 5's rewards are NaN: it alone is masked. The rows' own reward "counting"
     # (groups 0 and 3) reports counters, which the driver sums over the workers.
@@ -171,7 +173,10 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
         samples[i].metadata["rm_type"] = "counting"
     register_counting()
     request.addfinalizer(lambda: get_host().registries.reward.discard("counting"))
-    local, local_metrics = scored(RewardScorer(config), copies(samples))
+    with caplog.at_level(logging.WARNING, logger="miles_core.rewards"):
+        local, local_metrics = scored(RewardScorer(config), copies(samples))
+    local_warnings = sorted(r.getMessage() for r in caplog.records if r.name == "miles_core.rewards")
+    local_eval = scored(RewardScorer(config, evaluation=True), copies(samples))
     assert [o[2] for o in local] == [False] * 5 + [True] + [False] * 2 and local[5][0] is None and local[5][4]
     assert local_metrics["rollout/reward/failed"] == 1 and local_metrics["rollout/reward/counting/outputs"] == 4
 
@@ -191,7 +196,13 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
         assert post(two, 0, "/worker/counters", {"rewards": []}, key=False)[0] == 401
         one = RayRewardScorer(two.urls[:1], api_key=two.api_key, places=two.places[:1])
         assert scored(one, copies(samples)) == (local, local_metrics)
-        assert scored(two, copies(samples)) == (local, local_metrics)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="miles_core.rewards"):
+            assert scored(two, copies(samples)) == (local, local_metrics)
+        # The workers' warnings (sample 5's NaN) are logged here, as in one process.
+        assert sorted(r.getMessage() for r in caplog.records if r.name == "miles_core.rewards") == local_warnings != []
+        # The evaluation scorer, on the same workers: the evaluation's rewards and metrics.
+        assert scored(two.evaluation_scorer(), copies(samples)) == local_eval
         # Each worker scores its chunk: three groups of two go as groups 0-1 and group 2
         # (an even cut of the samples, 3 and 3, would split group 1).
         asyncio.run(two.score(make_samples(3, reward="counting")))
@@ -227,6 +238,37 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
     assert all(ended(pid) for pid in pids)  # closing the session stopped the servers
 
 
+def start_up_error(config: Any, log_dir: Path) -> RewardError:
+    """The error starting ``config``'s reward workers raises."""
+    session = RaySession.start(config, engines=0, reward_worker=True)
+    try:
+        with pytest.raises(RewardError) as info:
+            session.reward_scorer(log_dir)
+    finally:
+        session.close()
+    return info.value
+
+
+def test_a_remote_reward_on_the_workers_sends_the_runs_key(ray_cluster, tmp_path, monkeypatch):
+    """--rm-type remote under --use-ray: each worker's remote reward sends the key the run's
+    would (here MILES_API_KEY in the driver's environment), and scores as in one process;
+    without the key (the control) the workers' start-up is refused, in one line."""
+    samples = make_samples(2)
+    served = resolve_config(["--rm-type", "brightness"], prog="miles-core serve-reward", scope="reward")
+    with serve_reward_in_thread(served, api_key="remote-key-0123") as url:
+        config = resolve_config([*BASE, "--rm-type", "remote", "--rm-url", url, "--reward-num-gpus-per-worker", "0"])
+        monkeypatch.setenv("MILES_API_KEY", "remote-key-0123")
+        local = scored(RewardScorer(config), copies(samples))
+        session = RaySession.start(config, engines=0, reward_worker=True)
+        try:
+            assert scored(session.reward_scorer(tmp_path / "logs"), copies(samples)) == local
+        finally:
+            session.close()
+        monkeypatch.delenv("MILES_API_KEY")
+        error = start_up_error(config, tmp_path / "logs")
+    assert "the server refused the key" in str(error) and "\n" not in str(error)
+
+
 def test_a_reward_a_worker_cannot_build_is_its_own_one_line_error(ray_cluster, tmp_path):
     config = resolve_config(
         [
@@ -243,13 +285,8 @@ def test_a_reward_a_worker_cannot_build_is_its_own_one_line_error(ray_cluster, t
     )
     with pytest.raises(RewardError) as local:
         RewardScorer(config)
-    session = RaySession.start(config, engines=0, reward_worker=True)
-    try:
-        with pytest.raises(RewardError) as info:
-            session.reward_scorer(tmp_path / "logs")
-    finally:
-        session.close()
-    assert str(info.value) == str(local.value) and "\n" not in str(info.value) and info.value.exit_code == 2
+    error = start_up_error(config, tmp_path / "logs")
+    assert str(error) == str(local.value) and "\n" not in str(error) and error.exit_code == 2
 
 
 @pytest.mark.parametrize("path", recipe_paths(), ids=lambda p: p.name)

@@ -500,6 +500,10 @@ def test_a_run_worker_scores_as_the_run_and_its_evaluation_do():
             results["bad_flag"] = await post_to(session, url, "/worker/score", {**body(False), "evaluation": "yes"})
             results["bad_rewards"] = await post_to(session, url, "/worker/counters", {"rewards": "brightness"})
             results["score"] = await post_to(session, url, "/score", body_of(pixels, ["a", "b", "c"]))
+            # No limits: more samples than a public server takes (256), and a NaN one warned about.
+            many = [torch.full((3, 2, 2), 0.5)] * 299 + [torch.full((3, 2, 2), math.nan)]
+            big = [wire.encode_sample(x, "p", {}, encoding="float32", group=i) for i, x in enumerate(many)]
+            results["many"] = await post_to(session, url, "/worker/score", {"wire_version": 1, "samples": big})
         async with serving(config) as (url, session):
             results["public"] = await post_to(session, url, "/worker/score", body(False))
         return results
@@ -508,8 +512,8 @@ def test_a_run_worker_scores_as_the_run_and_its_evaluation_do():
     # torch's setting is per process: the server in this thread reports this process's.
     deterministic = torch.are_deterministic_algorithms_enabled()
     assert r["describe"] == (200, {"reward": "redness", "group_rm": False, "deterministic_algorithms": deterministic})
-    assert r["train"] == (200, {"outcomes": in_run(False)})
-    assert r["eval"] == (200, {"outcomes": in_run(True)})
+    assert r["train"] == (200, {"outcomes": in_run(False), "warnings": []})
+    assert r["eval"] == (200, {"outcomes": in_run(True), "warnings": []})
     # The control: the rows' own reward counts in training, not in evaluation.
     assert r["train"][1]["outcomes"][1]["scored_by"] == {"colorfulness": None} != r["eval"][1]["outcomes"][1]["scored_by"]
     with pytest.raises(RewardError) as unknown:
@@ -520,6 +524,9 @@ def test_a_run_worker_scores_as_the_run_and_its_evaluation_do():
     assert r["bad_flag"] == (400, {"error": "evaluation: expected true or false, got 'yes'"})
     assert r["bad_rewards"] == (400, {"error": "rewards: expected a list of reward names"})
     assert r["score"][0] == 404 and r["public"][0] == 404
+    status, answer = r["many"]
+    assert status == 200 and [o["failed"] for o in answer["outcomes"]] == [False] * 299 + [True]
+    assert len(answer["warnings"]) == 1 and "returned nan" in answer["warnings"][0]
 
 
 def test_a_run_worker_needs_its_runs_secret_in_the_environment(monkeypatch):

@@ -28,6 +28,7 @@ status 2); a worker whose server dies or answers what it should not is a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import sys
@@ -49,16 +50,25 @@ CONNECT_TIMEOUT = 30.0
 reward model on a big chunk takes what it takes), a server that dies fails it at once."""
 
 ERROR_MARK = "serve-reward: error: "
+"""What starts the error ``miles-core serve-reward`` prints before it stops (``PROG: error:``)."""
+
+CLIENT_KEY_NAME = "client.key"
+"""The file in a host's directory holding the key a ``remote`` reward on the worker sends."""
+
+log = logging.getLogger("miles_core.rewards")
 
 
 class RewardServerHost(ServerHost):
     """Made a Ray actor by :meth:`RayRewardScorer.start`: runs one ``serve-reward
     --run-worker`` process on its bundle."""
 
-    def __init__(self, values: Mapping[str, Any], log_path: str, api_key: str) -> None:
+    def __init__(self, values: Mapping[str, Any], log_path: str, api_key: str, client_key: str | None = None) -> None:
         self.values = dict(values)
         self.log_path = log_path
         self.api_key = api_key
+        """The workers' secret, which the server requires (in its environment, never on disk)."""
+        self.client_key = client_key
+        """The key the run's ``remote`` reward sends its servers, if any."""
         self.engine: Any = None
         self.env: dict[str, str] = {}
         self.directory: Path | None = None
@@ -73,9 +83,15 @@ class RewardServerHost(ServerHost):
         from miles_core.engine.fleet import launch_server, wait_for
 
         self.stop()
-        self.directory = Path(tempfile.mkdtemp(prefix="miles-reward-worker-"))
+        self.directory = Path(tempfile.mkdtemp(prefix="miles-reward-worker-"))  # mode 0700
+        values = dict(self.values)
+        if self.client_key is not None:  # read as the driver reads --api-key-file; removed with the directory
+            key_path = self.directory / CLIENT_KEY_NAME
+            key_path.touch(mode=0o600)
+            key_path.write_text(self.client_key + "\n", encoding="utf-8")
+            values["api_key_file"] = str(key_path)
         config_path = self.directory / "reward.yaml"
-        config_path.write_text(yaml.safe_dump(self.values, sort_keys=True), encoding="utf-8")
+        config_path.write_text(yaml.safe_dump(values, sort_keys=True), encoding="utf-8")
         # The server imports what this actor can (a --custom-rm-path module beside the driver's script).
         python_path = os.pathsep.join(dict.fromkeys(p for p in sys.path if p and os.path.isdir(p)))
         host = ray.util.get_node_ip_address()
@@ -111,24 +127,37 @@ class RewardServerHost(ServerHost):
 
 def worker_values(config: Any) -> dict[str, Any]:
     """What a worker's server resolves its configuration from (its ``--custom-config-path``
-    YAML): every value the user set, but secrets (``--api-key``) and the run's own YAML
-    path. ``--api-key-file`` stays: a ``remote`` reward on the worker reads its key there,
-    as in the driver (the worker's own key comes from its host)."""
+    YAML): every value the user set, but the keys (``--api-key``, ``--api-key-file``, a
+    path on the driver's machine: :func:`client_key` goes to the worker instead) and the
+    run's own YAML path."""
     from miles_core.config.document import user_values
 
-    return user_values(config, leave_out=("custom_config_path",))
+    return user_values(config, leave_out=("custom_config_path", "api_key_file"))
+
+
+def client_key(config: Any) -> str | None:
+    """The key a ``remote`` reward in the driver would send its servers (``--api-key``,
+    ``--api-key-file`` or MILES_API_KEY), for the workers' own ``remote`` rewards; None
+    without one or without ``--rm-url`` (no remote reward)."""
+    from miles_core.engine.auth import resolve_api_key
+
+    if not config.get("rm_url"):
+        return None
+    return resolve_api_key(config.get("api_key"), config.get("api_key_file"))
 
 
 def _error_line(log_path: str) -> str | None:
-    """The one-line error ``serve-reward`` printed before it stopped, if any."""
+    """The error ``serve-reward`` printed before it stopped, if any (its lines, a
+    configuration's several violations, joined by ``; ``)."""
     try:
         lines = Path(log_path).read_text(errors="replace").splitlines()
     except OSError:
         return None
-    for line in reversed(lines):
-        if ERROR_MARK in line:
-            return line.split(ERROR_MARK, 1)[1].strip()
-    return None
+    marks = [i for i, line in enumerate(lines) if ERROR_MARK in line]
+    if not marks:
+        return None
+    first = lines[marks[-1]].split(ERROR_MARK, 1)[1].strip()
+    return "; ".join([first, *(line.strip() for line in lines[marks[-1] + 1 :] if line.strip())])
 
 
 def split_chunks(samples: Sequence[Any], parts: int, *, whole_groups: bool) -> list[list[int]]:
@@ -174,6 +203,8 @@ class RayRewardScorer:
         self.evaluation = evaluation
         self.places = list(places) if places is not None else ["an unknown node"] * len(self.urls)
         self.hosts = list(hosts)
+        self.temporary_logs: Path | None = None
+        """The logs' directory when the run gave none, removed by :meth:`close`."""
         self._next = 0
         self._outcomes: dict[int, dict[str, str | None]] = {}
         from miles_core.reward_service.retry import run_in_new_loop
@@ -198,21 +229,27 @@ class RayRewardScorer:
 
         plan = runtime.plan
         key = new_secret()  # the workers': only the driver and their hosts hold it
-        values = worker_values(config)
-        logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="miles-reward-workers-"))
+        values, remote_key = worker_values(config), client_key(config)
+        temporary = log_dir is None
+        logs = Path(tempfile.mkdtemp(prefix="miles-reward-workers-")) if temporary else Path(log_dir).absolute()
         hosts: list[Any] = []
         try:
             for index, bundle in enumerate(plan.rewards):
                 # A bundle's GPU share may be a fraction, which the default share of its device is not.
                 options = {**runtime.options(bundle, plan.reward_share), "num_gpus": plan.reward_gpus}
-                hosts.append(ray.remote(RewardServerHost).options(**options).remote(values, str(logs / f"reward_{index}.log"), key))
+                log_path = str(logs / f"reward_{index}.log")
+                hosts.append(ray.remote(RewardServerHost).options(**options).remote(values, log_path, key, remote_key))
             wheres = task_result([host.where.remote() for host in hosts])
             task_result([host.place.remote(device_env(plan.device, [where["gpu_ids"]])) for host, where in zip(hosts, wheres)])
             urls = task_result([host.start.remote() for host in hosts])
-            return cls(urls, api_key=key, places=_places(runtime, plan.rewards), hosts=hosts)
+            scorer = cls(urls, api_key=key, places=_places(runtime, plan.rewards), hosts=hosts)
         except BaseException:
             _stop(hosts)
+            if temporary:
+                shutil.rmtree(logs, ignore_errors=True)
             raise
+        scorer.temporary_logs = logs if temporary else None
+        return scorer
 
     def evaluation_scorer(self) -> RayRewardScorer:
         """The evaluation scorer on the same workers (sharing their reward models)."""
@@ -230,6 +267,8 @@ class RayRewardScorer:
 
         import aiohttp
 
+        from miles_core.reward_service.server import one_line
+
         data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
         headers = {**self.headers, "Content-Type": "application/json"}
         try:
@@ -237,8 +276,7 @@ class RayRewardScorer:
                 raw = await response.read()
                 status = response.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            reason = " ".join(str(exc).split()) or type(exc).__name__
-            raise self._failed(index, f"died: {type(exc).__name__}: {reason}") from None
+            raise self._failed(index, f"died: {type(exc).__name__}: {one_line(exc)}") from None
         try:
             answer = json.loads(raw)
         except ValueError:
@@ -291,6 +329,8 @@ class RayRewardScorer:
 
         body = await asyncio.to_thread(self._request, samples)
         answer = await self._post(session, index, "/worker/score", body)
+        for warning in answer.get("warnings") or []:  # the worker scorer's, logged here as in one process
+            log.warning("%s", warning)
         try:
             return decode_outcomes(answer, len(samples))
         except RewardError as exc:
@@ -299,22 +339,21 @@ class RayRewardScorer:
     async def score(self, samples: Sequence[Any]) -> Any:
         import torch
 
+        from miles_core.reward_service.run_worker import apply_outcome
+
         samples = list(samples)
         chunks = split_chunks(samples, len(self.urls), whole_groups=self.needs_whole_groups) if samples else []
         first, self._next = self._next, (self._next + len(chunks)) % len(self.urls)
         workers = [(first + offset) % len(self.urls) for offset in range(len(chunks))]
         async with self._session() as session:
-            results = await asyncio.gather(*(self._score_on(session, w, [samples[i] for i in chunk]) for w, chunk in zip(workers, chunks)))
+            calls = (self._score_on(session, w, [samples[i] for i in chunk]) for w, chunk in zip(workers, chunks))
+            results = await asyncio.gather(*calls, return_exceptions=True)  # every chunk finishes before the first error is raised
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
         for chunk, outcomes in zip(chunks, results):
             for index, outcome in zip(chunk, outcomes):
-                sample = samples[index]
-                self._outcomes[id(sample)] = outcome["scored_by"]
-                sample.reward = float(outcome["reward"])
-                sample.reward_components = {k: float(v) for k, v in outcome["components"].items()}
-                sample.reward_failures = {k: bool(v) for k, v in outcome["failures"].items()}
-                sample.reward_failed = outcome["failed"]
-                if outcome["failed"]:
-                    sample.remove_sample = True
+                self._outcomes[id(samples[index])] = apply_outcome(samples[index], outcome)
         return torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
 
     def finish(self, samples: Sequence[Any], *, prefix: str = "rollout/reward/") -> dict[str, float]:
@@ -337,17 +376,27 @@ class RayRewardScorer:
     def close(self) -> None:
         _stop(self.hosts)
         self.hosts = []
+        if self.temporary_logs is not None:
+            shutil.rmtree(self.temporary_logs, ignore_errors=True)
+            self.temporary_logs = None
 
 
-def _stop(hosts: Sequence[Any]) -> None:
-    """Stop each host's server, then the host (one that died has nothing to stop)."""
+def _stop(hosts: Sequence[Any], timeout: float = 60.0) -> None:
+    """Stop the hosts' servers, all at once, then the hosts (one that died has nothing to
+    stop)."""
     import ray
 
+    refs = []
     for host in hosts:
         try:
-            task_result(host.stop.remote(), timeout=60)
+            refs.append(host.stop.remote())
         except Exception:
             pass
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    except Exception:
+        pass
+    for host in hosts:
         ray.kill(host)
 
 
@@ -364,4 +413,4 @@ def _places(runtime: Any, bundles: Sequence[int]) -> list[str]:
     return [f"node {addresses.get(where.get(b, ''), '?')} ({where.get(b, '?')[:8]})" for b in bundles]
 
 
-__all__ = ["RayRewardScorer", "RewardServerHost", "split_chunks", "worker_values"]
+__all__ = ["RayRewardScorer", "RewardServerHost", "client_key", "split_chunks", "worker_values"]

@@ -1,9 +1,10 @@
 """``--deterministic-mode``: what a process of the run needs for deterministic kernels.
 
 One place for it: the one-process run applies it to itself (:func:`apply_deterministic_mode`),
-and under Ray every actor the run starts (training ranks, engine hosts and the servers they
-start, the reward worker) gets :func:`deterministic_env` in its ``runtime_env`` and applies
-the same function when it starts.
+and under Ray every actor the run starts (training ranks, engine hosts and reward-worker
+hosts) gets :func:`deterministic_env` in its ``runtime_env``, which the servers they start
+(``serve-engine``, ``serve-reward``) inherit; each of those processes applies the same
+function when it starts.
 
 torch documents one variable: cuBLAS (CUDA 10.2 and later) is deterministic only with a
 fixed workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``, less memory, maybe

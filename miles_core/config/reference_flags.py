@@ -105,7 +105,7 @@ _TABLE: tuple[Flag, ...] = (
         "bool",
         False,
         "Not in the reference. Run the training ranks, the engine servers the run starts (--rollout-num-engines) and the "
-        "reward as Ray actors in one placement group sized by the cluster flags (CPUs stand in for GPUs on a machine "
+        "reward workers (serve-reward processes) on Ray actors in one placement group sized by the cluster flags (CPUs stand in for GPUs on a machine "
         "without them). Needed for a train world size above 1 (FSDP2 ranks). Starts a local Ray instance unless "
         "--ray-address names a cluster.",
         reference_default="(no such flag)",
@@ -1054,7 +1054,7 @@ _TABLE: tuple[Flag, ...] = (
         "--colocate-reward",
         "bool",
         False,
-        "Place reward actors on the rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05); requires --colocate.",
+        "Place the reward workers on the rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05); requires --colocate.",
     ),
     _f(
         "reward",
@@ -1483,7 +1483,7 @@ HARDWARE_ONLY: dict[str, str] = {
     "--colocate": "places the engine servers the run starts on the training devices (trainer 0.7, engine 0.25 of each) "
     "instead of devices of their own, where the two take turns (--offload-train and --offload-rollout, which --colocate "
     "turns on).",
-    "--colocate-reward": "places reward actors on the rollout GPUs next to colocated engines and trainer.",
+    "--colocate-reward": "places the reward workers on the rollout GPUs next to colocated engines and trainer.",
     "--reward-num-workers": "starts that many reward workers (under --use-ray), serve-reward processes each on a bundle of its own, "
     "and splits every scoring call over them.",
     "--reward-num-gpus-per-worker": "gives each reward worker (under --use-ray) that many GPUs (fractions share one).",

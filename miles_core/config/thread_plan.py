@@ -112,7 +112,7 @@ def plan_threads(machine: MachineShape, config: Any, environ: Mapping[str, str],
         compute = requested
     elif machine.gpus:
         # The threads that feed the GPU work keep a core each: in-process reward scoring
-        # (under Ray it runs on reward actors) and the decoders of remote engines' responses.
+        # (under Ray it runs on the reward workers) and the decoders of remote engines' responses.
         scoring = 1 if generates and not config.get("use_ray") else 0
         feeding = scoring + (int(config.get("rollout_parser_num_workers") or 1) if remote else 0)
         compute = max(1, cores - feeding)

@@ -10,17 +10,20 @@ give the run exactly what its in-process scorer would:
 - ``POST /worker/score`` ``{"wire_version": 1, "evaluation": bool, "samples": [...]}``,
   the samples as in ``POST /score`` (float32 pixels, each with its ``group``, ``seed`` and
   ``index_in_group``): each sample is scored as the run scores it (its
-  ``metadata.rm_type`` routed to that reward), and the answer is ``{"outcomes": [...]}``,
-  per sample its ``reward``, ``components``, ``failed``, ``failures`` (per reward, whether
-  it failed) and ``scored_by`` (per reward, why it failed or null), what the run's
-  reward metrics are computed from;
+  ``metadata.rm_type`` routed to that reward), and the answer is ``{"outcomes": [...],
+  "warnings": [...]}``: per sample its ``reward``, ``components``, ``failed``,
+  ``failures`` (per reward, whether it failed) and ``scored_by`` (per reward, why it
+  failed or null), what the run's reward metrics are computed from; and the scorer's
+  warnings since the last answer (which failed samples and why), which the run logs;
 - ``POST /worker/counters`` ``{"evaluation": bool, "rewards": [name], "prefix": str}``:
   ``{"counters": {key: number}}``, what each reward counted since last asked
   (``pop_metrics``).
 
-Answers are written by Python's json and may hold ``NaN`` (a failed sample's reward), which
-the run's client reads back. A reward that cannot be used (an unknown ``rm_type``, an
-evaluation reward that cannot be built) answers 422 with the scorer's one-line error.
+A worker takes requests of any size: its run, its only client (it holds the secret), sends
+each call's chunk whole, as the scorer in one process gets it. Answers are written by
+Python's json and may hold ``NaN`` (a failed sample's reward), which the run's client reads
+back. A reward that cannot be used (an unknown ``rm_type``, an evaluation reward that
+cannot be built) answers 422 with the scorer's one-line error.
 """
 
 from __future__ import annotations
@@ -29,16 +32,46 @@ import asyncio
 import json
 import math
 import numbers
+import sys
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from miles_core.errors import RequestError, RewardError
-from miles_core.reward_service.server import STATE, RewardState, create_reward_app, parse_json, request_samples
+from miles_core.reward_service.server import STATE, create_reward_app, parse_json, request_samples
 from miles_core.reward_service.wire import decode_request
 
 OUTCOME_KEYS = ("reward", "components", "failed", "failures", "scored_by")
+"""The fields of one sample's outcome in ``/worker/score``'s answer."""
+
+NO_LIMIT = sys.maxsize
+"""A worker's sample, value and body limits: none (see the module docstring)."""
+
+
+@dataclass
+class WorkerState:
+    """What the worker routes keep beside the server's :class:`RewardState`."""
+
+    evaluation_scorer: Any = None
+    """The evaluation scorer, sharing the scorer's models (built when first asked)."""
+    warnings: list[str] = field(default_factory=list)
+    """The scorers' warnings not yet sent back."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def warn(self, message: str) -> None:
+        with self.lock:
+            self.warnings.append(message)
+
+    def take_warnings(self) -> list[str]:
+        with self.lock:
+            taken, self.warnings = self.warnings, []
+        return taken
+
+
+WORKER = web.AppKey("reward_worker_state", WorkerState)
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:
@@ -55,24 +88,27 @@ def _object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _scorer(state: RewardState, evaluation: bool) -> Any:
-    """The scorer (or, built once, the evaluation scorer sharing its reward models)."""
-    scorer = state.require()
-    if not evaluation:
-        return scorer
-    with state.evaluation_lock:
-        if state.evaluation_scorer is None:
+def _scorer(app: web.Application, evaluation: bool) -> Any:
+    """The scorer (or, built once, the evaluation scorer sharing its reward models), its
+    warnings kept for the run (in a thread: building may load a model)."""
+    scorer = app[STATE].require()
+    worker = app[WORKER]
+    with worker.lock:
+        scorer.warn = worker.warn
+        if not evaluation:
+            return scorer
+        if worker.evaluation_scorer is None:
             from miles_core.training.rewards import RewardScorer
 
-            state.evaluation_scorer = RewardScorer(state.config, evaluation=True, share=scorer)
-        return state.evaluation_scorer
+            worker.evaluation_scorer = RewardScorer(app[STATE].config, evaluation=True, share=scorer, warn=worker.warn)
+        return worker.evaluation_scorer
 
 
 async def _describe(request: web.Request) -> web.Response:
     import torch
 
     body = _object(await request.read())
-    scorer = await asyncio.to_thread(_scorer, request.app[STATE], _flag(body, "evaluation"))
+    scorer = await asyncio.to_thread(_scorer, request.app, _flag(body, "evaluation"))
     return web.json_response(
         {
             "reward": scorer.name,
@@ -91,6 +127,18 @@ def encode_outcome(sample: Any, scored_by: Mapping[str, str | None]) -> dict[str
         "failures": {str(k): bool(v) for k, v in dict(getattr(sample, "reward_failures", {}) or {}).items()},
         "scored_by": {str(k): v for k, v in dict(scored_by).items()},
     }
+
+
+def apply_outcome(sample: Any, outcome: Mapping[str, Any]) -> dict[str, str | None]:
+    """Set on ``sample`` what scoring it in one process would have (:func:`encode_outcome`'s
+    inverse: a failed sample is also removed); returns its ``scored_by``."""
+    sample.reward = float(outcome["reward"])
+    sample.reward_components = {k: float(v) for k, v in outcome["components"].items()}
+    sample.reward_failures = {k: bool(v) for k, v in outcome["failures"].items()}
+    sample.reward_failed = outcome["failed"]
+    if outcome["failed"]:
+        sample.remove_sample = True
+    return dict(outcome["scored_by"])
 
 
 def decode_outcomes(body: Any, n: int) -> list[dict[str, Any]]:
@@ -114,20 +162,25 @@ def decode_outcomes(body: Any, n: int) -> list[dict[str, Any]]:
     return outcomes
 
 
-async def _score(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.require()
-    body = _object(await request.read())
+def _parse_score(raw: bytes) -> tuple[bool, Any]:
+    """A ``/worker/score`` body (in a thread: parsing and decoding take a while)."""
+    body = _object(raw)
     evaluation = _flag(body, "evaluation")
     body.pop("evaluation", None)
-    parsed = await asyncio.to_thread(decode_request, body, max_samples=state.max_samples, max_values=state.max_values)
-    scorer = await asyncio.to_thread(_scorer, state, evaluation)
+    return evaluation, decode_request(body, max_samples=NO_LIMIT, max_values=NO_LIMIT)
+
+
+async def _score(request: web.Request) -> web.Response:
+    request.app[STATE].require()
+    evaluation, parsed = await asyncio.to_thread(_parse_score, await request.read())
+    scorer = await asyncio.to_thread(_scorer, request.app, evaluation)
     samples = request_samples(parsed, scorer.needs_whole_groups)
     try:
         await scorer.score(samples)
     finally:  # the scorer keeps each sample's outcome until it is taken
         scored_by = [scorer.take_outcome(sample) for sample in samples]
-    return web.json_response({"outcomes": [encode_outcome(s, o) for s, o in zip(samples, scored_by)]}, dumps=json.dumps)
+    outcomes = [encode_outcome(s, o) for s, o in zip(samples, scored_by)]
+    return web.json_response({"outcomes": outcomes, "warnings": request.app[WORKER].take_warnings()}, dumps=json.dumps)
 
 
 async def _counters(request: web.Request) -> web.Response:
@@ -138,17 +191,20 @@ async def _counters(request: web.Request) -> web.Response:
         raise RequestError("rewards", "expected a list of reward names")
     if not isinstance(prefix, str):
         raise RequestError("prefix", f"expected a string, got {type(prefix).__name__}")
-    scorer = await asyncio.to_thread(_scorer, request.app[STATE], _flag(body, "evaluation"))
-    return web.json_response({"counters": scorer.pop_counters(rewards, prefix)}, dumps=json.dumps)
+    scorer = await asyncio.to_thread(_scorer, request.app, _flag(body, "evaluation"))
+    counters = await asyncio.to_thread(scorer.pop_counters, rewards, prefix)  # waits for the rewards' calls
+    return web.json_response({"counters": counters}, dumps=json.dumps)
 
 
 def create_worker_app(config: Any, **options: Any) -> web.Application:
     """:func:`~miles_core.reward_service.server.create_reward_app` for a run's reward worker
-    (same ``options``): ``/health``, ``/info`` and the ``/worker/*`` routes;
+    (same ``options``, but no limits): ``/health``, ``/info`` and the ``/worker/*`` routes;
     :func:`~miles_core.reward_service.server.start_reward_server` starts it."""
-    app = create_reward_app(config, **options, worker=True)
+    limits = {"max_samples": NO_LIMIT, "max_values": NO_LIMIT, "max_body_bytes": NO_LIMIT}
+    app = create_reward_app(config, **{**options, **limits}, worker=True)
+    app[WORKER] = WorkerState()
     app.add_routes([web.post("/worker/describe", _describe), web.post("/worker/score", _score), web.post("/worker/counters", _counters)])
     return app
 
 
-__all__ = ["OUTCOME_KEYS", "create_worker_app", "decode_outcomes", "encode_outcome"]
+__all__ = ["NO_LIMIT", "OUTCOME_KEYS", "WorkerState", "apply_outcome", "create_worker_app", "decode_outcomes", "encode_outcome"]

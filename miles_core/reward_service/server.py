@@ -156,10 +156,10 @@ def weights_sha256(paths: Sequence[tuple[str, str]]) -> str | None:
     return digest.hexdigest() if hashed else None
 
 
-def reward_records(config: Any, scorer_name: str | None = None) -> list[dict[str, Any]]:
+def reward_records(config: Any, scorer_name: str | None = None, *, hash_weights: bool = True) -> list[dict[str, Any]]:
     """``/info``'s ``rewards``: each registered reward served with its distribution,
-    version and :func:`weights_sha256`; a ``--custom-rm-path`` function is one record with
-    no distribution, version or hash."""
+    version and :func:`weights_sha256` (None without ``hash_weights``); a
+    ``--custom-rm-path`` function is one record with no distribution, version or hash."""
     from miles_core.plugin_manager import get_host
 
     names = served_rewards(config)
@@ -175,7 +175,7 @@ def reward_records(config: Any, scorer_name: str | None = None) -> list[dict[str
                 "name": name,
                 "distribution": plugin.distribution,
                 "version": plugin.version,
-                "weights_sha256": weights_sha256(weight_paths(config, name)),
+                "weights_sha256": weights_sha256(weight_paths(config, name)) if hash_weights else None,
             }
         )
     return records
@@ -237,12 +237,10 @@ class RewardState:
     error: BaseException | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
-    evaluation_scorer: Any = None
-    """A run worker's evaluation scorer, sharing the scorer's models (built when first asked)."""
-    evaluation_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def build(self) -> None:
-        """Build the reward, then hash its weights (in the builder thread)."""
+        """Build the reward, then hash its weights (in the builder thread; not a run's
+        worker's, whose run reads no checksum: N workers would each read every weight file)."""
         from miles_core.training.rewards import RewardScorer
 
         try:
@@ -253,7 +251,7 @@ class RewardState:
                 # as an evaluation reward set ignores it, so no request builds another reward.
                 # A run's own worker scores each sample as the run would, rm_type included.
                 scorer.fixed = True
-            records = reward_records(self.config, scorer.name)  # the weights hashed once, here
+            records = reward_records(self.config, scorer.name, hash_weights=not self.worker)  # hashed once, here
             self.info = {
                 "wire_version": WIRE_VERSION,
                 "reward": scorer.name,

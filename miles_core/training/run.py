@@ -259,7 +259,7 @@ async def prepare_run(
         resumed=resumed is not None,
         resumed_from=None if resumed is None else resumed - 1,
         progress=Progress(enabled=progress),
-        scorer=cluster.reward_scorer(out / "rewards") if cluster is not None and generates else None,
+        scorer=cluster.reward_scorer((out / "rewards").absolute()) if cluster is not None and generates else None,
         fleet=fleet,
         log=log,
         on_phase=on_phase,
