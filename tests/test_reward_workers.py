@@ -233,6 +233,9 @@ def test_two_workers_score_what_one_worker_and_one_process_score(ray_cluster, re
         (node,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
         assert str(info.value).startswith(f"reward worker 1 of 2 on node {node} (") and "\n" not in str(info.value)
         assert " died: " in str(info.value) and info.value.exit_code == 1
+        # A host actor killed (it cannot stop its server): the server stops by itself.
+        ray.kill(two.hosts[0])
+        assert ended(pids[0])
     finally:
         session.close()
     assert all(ended(pid) for pid in pids)  # closing the session stopped the servers

@@ -537,3 +537,52 @@ def test_a_run_worker_needs_its_runs_secret_in_the_environment(monkeypatch):
         run(["--run-worker", "--rm-type", "brightness"])
     assert str(info.value) == "--run-worker: MILES_API_KEY must hold the secret of the run that starts this worker"
     assert info.value.exit_code == 2
+
+
+WORKER_PARENT = """
+import subprocess, sys, time
+log = open(sys.argv[1], "w")
+child = subprocess.Popen(
+    [sys.executable, "-m", "miles_core.cli.main", "serve-reward", "--run-worker", "--rm-type", "brightness"],
+    stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+)
+print(child.pid, flush=True)
+while "serving reward" not in open(sys.argv[1]).read():
+    time.sleep(0.05)
+if sys.argv[2] == "stay":
+    time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("parent", ["exits", "stays"])
+def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path, parent):
+    """A host actor killed cannot stop its server: the server sees its parent go and stops
+    with one line, exit status 1; while the parent lives (the control) it keeps serving."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    log = tmp_path / "worker.log"
+    env = {**os.environ, "MILES_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    starter = subprocess.Popen(
+        [sys.executable, "-c", WORKER_PARENT, str(log), "stay" if parent == "stays" else "exit"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        pid = int(starter.stdout.readline())
+        child = psutil.Process(pid)
+        if parent == "exits":
+            starter.wait(timeout=120)
+        deadline = time.monotonic() + 5  # the server looks every second
+        while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        gone = not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert gone == (parent == "exits"), log.read_text()
+        if gone:
+            assert log.read_text().splitlines()[-1].startswith("miles-core serve-reward: error: the process that started this worker (pid ")
+    finally:
+        starter.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()

@@ -137,6 +137,20 @@ def run(argv: Sequence[str], prog: str = "miles-core serve-reward") -> int:
         return 1
 
 
+PARENT_POLL_SECONDS = 1.0
+
+
+async def _watch_parent(prog: str, stop: asyncio.Event, status: dict[str, int]) -> None:
+    """A run's worker stops when the process that started it (its host actor) is gone:
+    killed, it cannot stop its server, which would hold its device for nothing."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_SECONDS)
+    _warn(f"{prog}: error: the process that started this worker (pid {parent}) is gone; stopping")
+    status["code"] = 1
+    stop.set()
+
+
 async def _serve(config: Any, key: str | None, roots: Any, prog: str) -> int:
     from miles_core.reward_service.server import create_reward_app, start_reward_server
 
@@ -170,8 +184,11 @@ async def _serve(config: Any, key: str | None, roots: Any, prog: str) -> int:
     server = await start_reward_server(app, own["serve_host"], own["serve_port"])
     where["url"] = server.url
     _warn(f"listening on {server.url}; building the reward (GET /health answers 200 when it is ready)")
+    watch = asyncio.create_task(_watch_parent(prog, stop, status)) if own["serve_run_worker"] else None
     try:
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         await server.close()
     return status["code"]
