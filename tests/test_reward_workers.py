@@ -254,8 +254,9 @@ def start_up_error(config: Any, log_dir: Path) -> RewardError:
 
 def test_a_remote_reward_on_the_workers_sends_the_runs_key(ray_cluster, tmp_path, monkeypatch):
     """--rm-type remote under --use-ray: each worker's remote reward sends the key the run's
-    would (here MILES_API_KEY in the driver's environment), and scores as in one process;
-    without the key (the control) the workers' start-up is refused, in one line."""
+    would (here MILES_API_KEY in the driver's environment), and scores as in one process.
+    Without the key (the control) the reward cannot be built: the workers' start-up stops
+    with the error the run gives in one process, one line, exit status 2."""
     samples = make_samples(2)
     served = resolve_config(["--rm-type", "brightness"], prog="miles-core serve-reward", scope="reward")
     with serve_reward_in_thread(served, api_key="remote-key-0123") as url:
@@ -268,28 +269,11 @@ def test_a_remote_reward_on_the_workers_sends_the_runs_key(ray_cluster, tmp_path
         finally:
             session.close()
         monkeypatch.delenv("MILES_API_KEY")
+        with pytest.raises(RewardError) as in_one_process:
+            RewardScorer(config)
         error = start_up_error(config, tmp_path / "logs")
-    assert "the server refused the key" in str(error) and "\n" not in str(error)
-
-
-def test_a_reward_a_worker_cannot_build_is_its_own_one_line_error(ray_cluster, tmp_path):
-    config = resolve_config(
-        [
-            *BASE,
-            "--rm-type",
-            "pickscore",
-            "--pickscore-model-path",
-            str(tmp_path),
-            "--pickscore-processor-path",
-            str(tmp_path),
-            "--reward-num-gpus-per-worker",
-            "0",
-        ]
-    )
-    with pytest.raises(RewardError) as local:
-        RewardScorer(config)
-    error = start_up_error(config, tmp_path / "logs")
-    assert str(error) == str(local.value) and "\n" not in str(error) and error.exit_code == 2
+    assert str(error) == str(in_one_process.value) and "the server refused the key" in str(error)
+    assert "\n" not in str(error) and error.exit_code == 2
 
 
 @pytest.mark.parametrize("path", recipe_paths(), ids=lambda p: p.name)

@@ -575,7 +575,7 @@ def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path, p
         child = psutil.Process(pid)
         if parent == "exits":
             starter.wait(timeout=120)
-        deadline = time.monotonic() + 5  # the server looks every second
+        deadline = time.monotonic() + 2.5  # the server looks every second
         while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.1)
         gone = not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
