@@ -554,10 +554,10 @@ if sys.argv[2] == "stay":
 """
 
 
-@pytest.mark.parametrize("parent", ["exits", "stays"])
-def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path, parent):
+def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path):
     """A host actor killed cannot stop its server: the server sees its parent go and stops
-    with one line, exit status 1; while the parent lives (the control) it keeps serving."""
+    with one line, exit status 1; while the parent lives (the control, started beside it)
+    it keeps serving."""
     import os
     import subprocess
     import sys
@@ -565,24 +565,40 @@ def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path, p
 
     import psutil
 
-    log = tmp_path / "worker.log"
     env = {**os.environ, "MILES_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    starter = subprocess.Popen(
-        [sys.executable, "-c", WORKER_PARENT, str(log), "stay" if parent == "stays" else "exit"], stdout=subprocess.PIPE, text=True, env=env
-    )
+    logs = {parent: tmp_path / f"{parent}.log" for parent in ("exit", "stay")}
+    starters = {
+        parent: subprocess.Popen([sys.executable, "-c", WORKER_PARENT, str(log), parent], stdout=subprocess.PIPE, text=True, env=env)
+        for parent, log in logs.items()
+    }
+    pids: dict[str, int] = {}
     try:
-        pid = int(starter.stdout.readline())
-        child = psutil.Process(pid)
-        if parent == "exits":
-            starter.wait(timeout=120)
+        children = {}
+        for parent, starter in starters.items():
+            pids[parent] = int(starter.stdout.readline())
+            children[parent] = psutil.Process(pids[parent])
+        starters["exit"].wait(timeout=120)
+
+        def gone(child: psutil.Process) -> bool:
+            return not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
         deadline = time.monotonic() + 2.5  # the server looks every second
-        while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+        while time.monotonic() < deadline and not gone(children["exit"]):
             time.sleep(0.1)
-        gone = not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
-        assert gone == (parent == "exits"), log.read_text()
-        if gone:
-            assert log.read_text().splitlines()[-1].startswith("miles-core serve-reward: error: the process that started this worker (pid ")
+        assert gone(children["exit"]), logs["exit"].read_text()
+        assert (
+            logs["exit"]
+            .read_text()
+            .splitlines()[-1]
+            .startswith("miles-core serve-reward: error: the process that started this worker (pid ")
+        )
+        while "serving reward" not in logs["stay"].read_text() and time.monotonic() < deadline + 60:
+            time.sleep(0.1)
+        time.sleep(1.5)  # past the server's next look at its parent
+        assert not gone(children["stay"]), logs["stay"].read_text()
     finally:
-        starter.kill()
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(pid).kill()
+        for starter in starters.values():
+            starter.kill()
+        for pid in pids.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
