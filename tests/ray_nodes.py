@@ -207,12 +207,12 @@ class LocalRayCluster:
                     getattr(process, signal)()
                 except psutil.NoSuchProcess:
                     pass
-            processes = _wait_gone(processes, grace if signal == "terminate" else 30.0)
+            processes = wait_gone(processes, grace if signal == "terminate" else 30.0)
             if not processes:
                 return
 
 
-def _wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Those of ``processes`` still running after ``timeout`` s. A daemon's parent is
     init, which may not reap it here: an ended one stays a zombie, which counts as gone."""
     deadline = time.monotonic() + timeout
@@ -265,4 +265,4 @@ def two_node_cluster(tmp_path_factory: Any) -> Any:
         cluster.stop()
 
 
-__all__ = ["LocalRayCluster", "kill_actor", "start_local_cluster", "two_node_cluster"]
+__all__ = ["LocalRayCluster", "kill_actor", "start_local_cluster", "two_node_cluster", "wait_gone"]

@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -46,6 +45,7 @@ from miles_core.registry import PluginInfo
 from miles_core.testing import serve_reward_in_thread
 from miles_core.training.rewards import RewardScorer
 from tests.fake_dists import make_dist
+from tests.ray_nodes import wait_gone
 from tests.test_recipes import recipe_paths, validate_recipe
 
 BASE = [
@@ -143,18 +143,13 @@ def post(scorer: RayRewardScorer, index: int, path: str, body: dict[str, Any], *
         return exc.code, json.loads(exc.read())
 
 
-def ended(pid: int, timeout: float = 30.0) -> bool:
-    """Whether process ``pid`` ends within ``timeout`` s (a zombie counts: its parent, a
-    host actor, reaps it only when it stops its server)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` ends within 30 s (a zombie counts: its parent, a host
+    actor, reaps it only when it stops its server)."""
+    try:
+        return not wait_gone([psutil.Process(pid)], 30.0)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def outputs_per_worker(scorer: RayRewardScorer) -> list[float]:

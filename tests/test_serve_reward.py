@@ -33,6 +33,7 @@ from miles_core.reward_service.server import (
 from miles_core.rollout.sample import Sample
 from miles_core.testing import scoring_samples, serve_reward_process
 from miles_core.training.rewards import RewardScorer
+from tests.ray_nodes import wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = "tests.reward_examples"
@@ -579,23 +580,18 @@ def test_a_run_worker_stops_when_the_process_that_started_it_is_gone(tmp_path):
             children[parent] = psutil.Process(pids[parent])
         starters["exit"].wait(timeout=120)
 
-        def gone(child: psutil.Process) -> bool:
-            return not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
-
-        deadline = time.monotonic() + 2.5  # the server looks every second
-        while time.monotonic() < deadline and not gone(children["exit"]):
-            time.sleep(0.1)
-        assert gone(children["exit"]), logs["exit"].read_text()
+        # The server looks every second; one that exits leaves a zombie, which counts as gone.
+        assert wait_gone([children["exit"]], 2.5) == [], logs["exit"].read_text()
         assert (
             logs["exit"]
             .read_text()
             .splitlines()[-1]
             .startswith("miles-core serve-reward: error: the process that started this worker (pid ")
         )
-        while "serving reward" not in logs["stay"].read_text() and time.monotonic() < deadline + 60:
+        deadline = time.monotonic() + 60
+        while "serving reward" not in logs["stay"].read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.5)  # past the server's next look at its parent
-        assert not gone(children["stay"]), logs["stay"].read_text()
+        assert wait_gone([children["stay"]], 1.5) == [children["stay"]], logs["stay"].read_text()  # past its next look
     finally:
         for starter in starters.values():
             starter.kill()

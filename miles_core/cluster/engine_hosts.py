@@ -114,6 +114,12 @@ class ServerHost:
         pid = self.pid()
         return {**_where(), "pid": pid, "env": process_env(pid, names) if pid is not None else {}}
 
+    def stop(self) -> None:
+        """Stop the server (a :class:`~miles_core.engine.fleet.ServedEngine`), if one runs."""
+        if self.engine is not None:
+            self.engine.stop(timeout=30)
+            self.engine = None
+
 
 class EngineHost(ServerHost):
     """Made a Ray actor by :class:`RayEngineFleet`."""
@@ -148,11 +154,6 @@ class EngineHost(ServerHost):
             api_key=self.api_key,
         )
         return self.engine.url
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop(timeout=30)
-            self.engine = None
 
 
 SGLANG_START_TIMEOUT = 600.0

@@ -117,9 +117,7 @@ class RewardServerHost(ServerHost):
         return self.engine.url
 
     def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop(timeout=30)
-            self.engine = None
+        super().stop()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
@@ -196,6 +194,7 @@ class RayRewardScorer:
         hosts: Sequence[Any] = (),
     ) -> None:
         from miles_core.engine.auth import auth_headers
+        from miles_core.reward_service.retry import run_in_new_loop
 
         self.urls = list(urls)
         self.api_key = api_key
@@ -207,8 +206,6 @@ class RayRewardScorer:
         """The logs' directory when the run gave none, removed by :meth:`close`."""
         self._next = 0
         self._outcomes: dict[int, dict[str, str | None]] = {}
-        from miles_core.reward_service.retry import run_in_new_loop
-
         described = run_in_new_loop(self._post_all("/worker/describe", {"evaluation": evaluation}))
         self.name, self.needs_whole_groups = described[0]["reward"], described[0]["group_rm"]
         self.deterministic_algorithms = [bool(d.get("deterministic_algorithms")) for d in described]
