@@ -122,7 +122,23 @@ def render(host: PluginHost) -> str:
         "rules only a training run needs, such as SDE steps for `--loss-type policy_loss`), "
         "then runs: rollout, reward, GRPO advantages, optimizer steps, weight sync. Writes "
         "`config.yaml` and `metrics.jsonl` (one record per rollout) to `--output-dir` and a "
-        "one-line summary per rollout to the console.",
+        "one-line summary per rollout to the console. Before any weight is read it makes the "
+        "run's memory plan (as `plan` does) and stops with one line, exit 2, when the peak "
+        "exceeds the GPU's memory (the host's available memory without a GPU); "
+        "`--skip-memory-plan` starts anyway.",
+        "",
+        "### `miles-core plan`\n",
+        "```text",
+        "usage: miles-core plan [train flags...] [--json]",
+        "```",
+        "",
+        "Takes every training flag below (recipes included) and reads only configuration files: "
+        "the components are built on the meta device, one training micro-batch and one rollout "
+        "microgroup are counted there, and the plan is printed per training rank and per engine "
+        "by phase (load, rollout, train), with the peak against the visible GPU's memory or "
+        "`--gpu-memory-gb` (default 80) and, when it does not fit, the smallest change that "
+        "makes it fit. `--json` prints the same as JSON. Exit 0: fits; 1: does not fit; 2: a "
+        'configuration error. docs/guide.md, "Planning memory".',
         "",
         "## Training flags\n",
         "A numeric flag's type shows its valid range as an interval: `[` and `]` include the "

@@ -200,6 +200,17 @@ class ModelFamily(abc.ABC):
         """The velocity for every stream, guidance included. ``timestep`` is ``[B]`` on
         the transformer's scale; rows are independent (the trainer mixes steps)."""
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """What :meth:`encode` returns for one sample at its largest, by shape: every prompt
+        at the longest length the family encodes (``max_sequence_length`` or the text
+        encoder's limit), the negative one too when guidance needs it, a conditioning
+        image's latents for a family that takes one; zero tensors on :attr:`device` in the
+        dtypes :meth:`encode` gives. The memory planner (:mod:`miles_core.planning`) calls
+        it on a pipeline built on the meta device, whose text encoders cannot run without
+        their tokenizers; it must not read tensor values. Families that do not implement it
+        are planned without activations (the plan says so)."""
+        raise NotImplementedError(f"the {type(self).__name__} family does not give its conditioning's shapes (plan_conditioning)")
+
     def trainable_parameters(self, component: str) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The ``(name, parameter)`` pairs of ``component`` (a key of :meth:`components`)
         that full fine-tuning (no LoRA) trains; the rest of the component stays frozen.
@@ -306,10 +317,12 @@ class ModelFamily(abc.ABC):
         pipeline loads with the hub libraries quiet, anything else with their progress
         bars and warnings (:func:`~miles_core.quiet.quiet_hub_load`)."""
         from miles_core.errors import CheckpointError
-        from miles_core.family_match import checkpoint_problem
+        from miles_core.family_match import checkpoint_problem, missing_weights
         from miles_core.quiet import quiet_hub_load
 
         problem = checkpoint_problem(checkpoint)
+        if problem is None and Path(checkpoint).is_dir():
+            problem = missing_weights(checkpoint)
         if problem is not None:
             raise CheckpointError(f"{cls.__name__}: checkpoint {problem}")
         pipeline_cls = pipeline_class_for(cls, checkpoint)
@@ -326,6 +339,14 @@ class ModelFamily(abc.ABC):
         A family with :attr:`tiny_variants` also takes ``variant=`` (one of them).
         Returns the directory. ``pipeline_class.from_pretrained(out_dir)`` loads it."""
         raise NotImplementedError(f"{cls.__name__} has no tiny pipeline factory")
+
+    @classmethod
+    def plan_components(cls, checkpoint: str | Path) -> dict[str, Any]:
+        """Pipeline components the memory planner cannot build from the checkpoint's
+        configuration files but the pipeline's constructor reads (Cosmos 3's tokenizer, for
+        its special tokens' ids), by ``__init__`` argument name; they must hold no weights.
+        Default: none (tokenizers and processors are ``None`` in a planned pipeline)."""
+        return {}
 
     @classmethod
     def native_size(cls, checkpoint: str | Path) -> tuple[int, int] | None:

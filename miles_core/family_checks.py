@@ -19,6 +19,9 @@ so a test can print it. They generalise what the SD3 tests pin:
   changes their weights (and nothing under the ``frozen`` prefixes).
 - :func:`check_generate_writes`: ``miles-core generate`` writes readable files (PNG for
   images; MP4 for videos when an encoder is installed, else an animated GIF).
+- :func:`check_real_configuration`: the contract at real size on a weightless real
+  configuration (matched by name and content, parameters, LoRA targets counted, recipe
+  resolves), built on the meta device.
 
 The family is matched from the checkpoint as the configuration does (its
 ``model_index.json``, else its name); pass ``family=`` only when that finds none.
@@ -312,6 +315,85 @@ def check_video_sft_fits_a_clip(checkpoint: str | Path, out_dir: str | Path, *ex
         result[f"{name}_run"] = out / name / "run"
     assert result["trained"][0] == result["control"][0], "the first step ran other weights or draws than the control's"
     return result
+
+
+def check_real_configuration(
+    checkpoint: str | Path,
+    family: str,
+    workdir: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    parameters: dict[str, int] | None = None,
+    lora_targets: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any]:
+    """The family contract at real size, on a weightless real configuration (a plugin's
+    ``tests/data/real_checkpoints/NAME``: ``model_index.json`` and each component's
+    configuration, no weights):
+
+    - the folder is matched to ``family`` by its name, and a copy under a neutral name by
+      its content (:func:`miles_core.testing.assert_matched_by_content`);
+    - the pipeline is built on the meta device (:mod:`miles_core.planning.meta_pipeline`)
+      and each trainable component has ``parameters[name]`` parameters when given;
+    - every default LoRA target a run on it gets names modules of each trainable component
+      (:func:`miles_core.testing.assert_lora_targets`), counted (and equal to
+      ``lora_targets`` when given);
+    - ``recipe`` resolves for training with this checkpoint (no training error).
+
+    Returns ``{"parameters": {component: count}, "lora_targets": {component: {target: modules}}}``."""
+    import torch
+
+    from miles_core.config.resolve import resolve_config, training_errors
+    from miles_core.family import pipeline_class_for
+    from miles_core.family_match import match_family
+    from miles_core.planning.meta_pipeline import build_pipeline_from_configs
+    from miles_core.plugin_manager import get_host
+    from miles_core.testing import assert_lora_targets, assert_matched_by_content
+
+    registry = get_host().registries.model_family
+    assert match_family(checkpoint, registry).name == family, f"{checkpoint}: not matched to {family}"
+    assert_matched_by_content(checkpoint, family, workdir)
+    entry = registry.get(family)
+    family_cls = entry.load()
+    pipeline = build_pipeline_from_configs(
+        checkpoint, pipeline_class_for(family_cls, checkpoint), torch.bfloat16, family_cls.plan_components(checkpoint)
+    )
+    trainable = {name: getattr(pipeline, name) for name in entry.spec.trainable_components if getattr(pipeline, name, None) is not None}
+    assert trainable, f"{checkpoint}: none of {family}'s trainable components {entry.spec.trainable_components} is in the pipeline"
+    counts = {name: sum(p.numel() for p in module.parameters()) for name, module in trainable.items()}
+    if parameters is not None:
+        assert counts == parameters, f"{checkpoint}: parameters {counts}, expected {parameters}"
+    args = ["--hf-checkpoint", str(checkpoint), "--rollout-batch-size", "1"]
+    config = resolve_config([*args, "--custom-config-path", str(recipe)] if recipe is not None else args)
+    if recipe is not None:
+        assert config.model_family == family, f"{recipe}: resolved as {config.model_family} with {checkpoint}"
+        errors = training_errors(config)
+        assert errors == [], f"{recipe} with {checkpoint}: " + "; ".join(errors)
+    # The targets a run on this checkpoint gets (a family may set them per pipeline class).
+    targets = list(config.lora_target_modules)
+    lora: dict[str, dict[str, int]] = {}
+    for name, module in trainable.items():
+        wrapped = assert_lora_targets(module, targets)
+        lora[name] = {target: sum(1 for w in wrapped if w == target or w.endswith("." + target)) for target in targets}
+    if lora_targets is not None:
+        assert lora == lora_targets, f"{checkpoint}: LoRA targets {lora}, expected {lora_targets}"
+    return {"parameters": counts, "lora_targets": lora}
+
+
+def real_checkpoint_cases(test_file: str | Path, rows: Sequence[tuple[str, str, str | None, dict, dict]]) -> list[Any]:
+    """``pytest.param`` cases of :func:`check_real_configuration` for a plugin's test module:
+    each row is ``(folder name under tests/data/real_checkpoints, family, recipe file name
+    under the repository's recipes/ or None, parameters, LoRA target counts)``, the id the
+    folder name."""
+    import pytest
+
+    tests = Path(test_file).resolve().parent
+    recipes = tests.parents[2] / "recipes"
+    return [
+        pytest.param(
+            tests / "data" / "real_checkpoints" / name, family, None if recipe is None else recipes / recipe, params, targets, id=name
+        )
+        for name, family, recipe, params, targets in rows
+    ]
 
 
 def recipe_flags(recipe: str | Path, keys: Sequence[str]) -> list[str]:

@@ -70,6 +70,32 @@ def checkpoint_problem(value: str | os.PathLike[str]) -> str | None:
     return f"{text}: no such directory{hint}"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth", ".ckpt")
+"""File endings of a component's weights in a diffusers or transformers folder."""
+
+
+def missing_weights(directory: str | os.PathLike[str]) -> str | None:
+    """Why the local pipeline directory cannot be loaded for lack of weights (None when every
+    model component listed in its ``model_index.json`` that has a ``config.json`` also has
+    a weight file): a weightless configuration folder (the real configurations the memory
+    planner reads) is refused in one line naming the first such component."""
+    directory = Path(directory)
+    try:
+        index = read_model_index(directory)
+    except FamilyMatchError:
+        return None  # diffusers' own error says what is wrong with the folder
+    for name, entry in index.items():
+        folder = directory / name
+        if name.startswith("_") or not isinstance(entry, (list, tuple)) or not (folder / "config.json").is_file():
+            continue
+        if not any(path.name.endswith(WEIGHT_SUFFIXES) for path in folder.iterdir()):
+            return (
+                f"{directory}: component {name} has a configuration but no weights (no {', '.join(WEIGHT_SUFFIXES[:2])} "
+                f"file in {folder}); a configuration-only folder can be planned (miles-core plan), not loaded"
+            )
+    return None
+
+
 def read_model_index(directory: Path) -> dict[str, Any]:
     """``directory``'s ``model_index.json``, which must name its pipeline class."""
     path = directory / MODEL_INDEX

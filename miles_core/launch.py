@@ -41,23 +41,25 @@ def start_session(config: Config, *, log: Callable[[str], None] = _stderr) -> An
     )
 
 
-async def train(config: Config, *, log: Callable[[str], None] = _stderr) -> Path:
+async def train(config: Config, *, log: Callable[[str], None] = _stderr, before_load: Callable[[Config, Any], None] | None = None) -> Path:
     """Run training; return the run directory. ``log`` is the console; every line also
     goes to ``RUN_DIR/train.log`` (:class:`~miles_core.training.run_log.RunLog`), the
     cluster's start and stop included: the run's own ``train`` attaches the same run log
-    inside this block, and only this (outermost) block's end closes the file."""
+    inside this block, and only this (outermost) block's end closes the file.
+    ``before_load``: see :func:`miles_core.training.run.prepare_run`."""
     from miles_core.training.run_log import RunLog
 
     if not config.get("use_ray"):
-        return await train_run(config, log=log)
+        return await train_run(config, log=log, before_load=before_load)
     with RunLog.of(log, config).attached() as run_log:
         cluster = start_session(config, log=run_log)
         try:
-            return await train_run(config, log=run_log, cluster=cluster)
+            return await train_run(config, log=run_log, cluster=cluster, before_load=before_load)
         finally:
             cluster.close()
 
 
-def run_sync(config: Config) -> Path:
-    """:func:`train` in a fresh event loop."""
-    return asyncio.run(train(config))
+def run_sync(config: Config, *, before_load: Callable[[Config, Any], None] | None = None) -> Path:
+    """:func:`train` in a fresh event loop; ``before_load``: see
+    :func:`miles_core.training.run.prepare_run`."""
+    return asyncio.run(train(config, before_load=before_load))

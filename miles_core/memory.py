@@ -59,7 +59,9 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+    storage = tensor.untyped_storage()
+    # Every meta storage has data pointer 0; its StorageImpl's address tells them apart.
+    return str(tensor.device), storage._cdata if tensor.is_meta else storage.data_ptr()
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -78,12 +80,15 @@ def audit_memory(
     parameters: Iterable[torch.Tensor] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
     engine_modules: Iterable[torch.nn.Module] = (),
+    include_meta: bool = False,
 ) -> MemoryReport:
     """The bytes resident per role and device: ``parameters``, their ``.grad`` (and the
     gradients of the optimizers' own parameters), the state of ``optimizers`` (with the
     optimizers' parameters that are not in ``parameters``: master copies kept in another
     dtype than the model's), and the parameters and buffers of ``engine_modules`` that no
-    earlier role holds. Each storage counts once (``untyped_storage().nbytes()``)."""
+    earlier role holds. Each storage counts once (``untyped_storage().nbytes()``).
+    Tensors on the meta device are left out unless ``include_meta`` (the memory planner
+    counts a run built there, :mod:`miles_core.planning`)."""
     parameters = list(parameters)
     optimizers = list(optimizers)
     optimized = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
@@ -95,7 +100,7 @@ def audit_memory(
             if tensor is None:
                 continue
             tensor = local_tensor(tensor)
-            if tensor.is_meta:
+            if tensor.is_meta and not include_meta:
                 continue
             device = str(tensor.device)
             totals.setdefault((role, device), 0)

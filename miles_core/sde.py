@@ -232,7 +232,9 @@ class SdeBackend(abc.ABC):
         """Per-sample log-prob in fp32, with bad rows recomputed in float64."""
         log_prob = self._elementwise_log_prob(x_next, mean, std)
         bad = ~torch.isfinite(log_prob)
-        if not bool(bad.any()):
+        # On the meta device (the memory planner's count, miles_core.planning) there are no
+        # values to check; the same operations ran, so the same bytes were held.
+        if log_prob.is_meta or not bool(bad.any()):
             return log_prob, 0
         bad_idx = bad.nonzero().flatten()
         good_idx = (~bad).nonzero().flatten()

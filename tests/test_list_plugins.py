@@ -110,7 +110,7 @@ def test_main_usage_and_unknown_command():
     assert result.returncode == 2
     assert (
         result.stderr
-        == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, make-tiny, score, generate, serve-engine, serve-reward, router, report\n"
+        == "miles-core: error: unknown command 'frobnicate'; commands: train, list-plugins, config, plan, make-tiny, score, generate, serve-engine, serve-reward, router, report\n"
     )
     result = subprocess.run([sys.executable, "-m", "miles_core.cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "make-tiny" in result.stdout

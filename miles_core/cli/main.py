@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("miles_core.cli.train", "Run training: rollout, reward, optimizer steps, metrics"),
     "list-plugins": ("miles_core.cli.list_plugins", "List installed plugins and what they register"),
     "config": ("miles_core.cli.config_command", "Resolve and validate training flags; print the configuration as YAML"),
+    "plan": ("miles_core.cli.plan", "Plan a training run's memory per rank and engine from configuration files alone"),
     "make-tiny": ("miles_core.cli.make_tiny", "Write a tiny, randomly initialised pipeline of a model family"),
     "score": ("miles_core.cli.score", "Score image files with a reward (--rm-type ...), as a training run would"),
     "generate": ("miles_core.cli.generate", "Sample a checkpoint (optionally with a LoRA) to image or video files"),

@@ -242,6 +242,29 @@ _TABLE: tuple[Flag, ...] = (
         range="(0, inf)",
     ),
     _f("training_backend", "--gradient-checkpointing", "bool", False, "Recompute activations in backward to save memory."),
+    _f(
+        "training_backend",
+        "--gpu-memory-gb",
+        "float",
+        80.0,
+        "Not in the reference. The memory of one GPU, in GiB, that `miles-core plan` holds a plan against when no GPU is "
+        "visible (a visible GPU's own memory is used otherwise; `train` on a machine without a GPU holds its plan against the "
+        "host's available memory).",
+        range="(0, inf)",
+        metavar="GIB",
+        reference_default="(no such flag)",
+        differs="Added with the memory planner (miles-core plan).",
+    ),
+    _f(
+        "training_backend",
+        "--skip-memory-plan",
+        "bool",
+        False,
+        "Not in the reference. Start training without the memory plan `train` otherwise makes before reading any weight "
+        "(the same plan `miles-core plan` prints; a configuration whose peak exceeds the device's memory stops there, exit 2).",
+        reference_default="(no such flag)",
+        differs="Added with the memory planner: the reference checks nothing before loading.",
+    ),
     _f("training_backend", "--deterministic-mode", "bool", False, "Deterministic training (deterministic kernels and seeding)."),
     _f(
         "training_backend",

@@ -122,6 +122,7 @@ async def prepare_run(
     engine_factory: EngineFactory | None = None,
     progress: bool | None = None,
     on_phase: Callable[[str, Any], None] | None = None,
+    before_load: Callable[[Config, Log], None] | None = None,
 ) -> RunContext:
     """Build a run: load its data, engine and trainer, restore ``--load``, create its
     directory (writing ``config.yaml``) and start the servers it owns. Nothing is
@@ -129,7 +130,10 @@ async def prepare_run(
     (:class:`~miles_core.cluster.session.RaySession`) whose ranks train and whose actors
     serve; ``engine_factory`` replaces :func:`~.run_engine.create_run_engine`; ``progress``:
     progress bars on or off (default: when stderr is a terminal); ``on_phase``: see
-    :attr:`RunContext.on_phase <miles_core.training.run_context.RunContext.on_phase>`."""
+    :attr:`RunContext.on_phase <miles_core.training.run_context.RunContext.on_phase>`;
+    ``before_load(config, log)``: called once the run's inputs are checked (prompts,
+    images, evaluation sets, the schedule) and before any engine or model loads
+    (``miles-core train``'s memory plan, :mod:`miles_core.planning`)."""
     import yaml
 
     from miles_core.config.determinism import apply_deterministic_mode
@@ -185,6 +189,8 @@ async def prepare_run(
     except ValueError as exc:
         raise RunError(f"learning-rate schedule: {exc}") from None
     data_source = None if supervised or replay else _rollout_source(config, records)
+    if before_load is not None:
+        before_load(config, log)
     torch.manual_seed(config.seed)
     apply_deterministic_mode(config)  # before CUDA starts (cuBLAS reads its workspace setting once)
     generates = not (supervised or config.train_only or replay)
@@ -275,16 +281,20 @@ async def train(
     cluster: Any = None,
     engine_factory: EngineFactory | None = None,
     on_phase: Callable[[str, Any], None] | None = None,
+    before_load: Callable[[Config, Log], None] | None = None,
 ) -> Path:
     """Run the training loop; return the run directory. ``log`` is the console: every line
     also goes to ``RUN_DIR/train.log`` (:mod:`~miles_core.training.run_log`, at
-    ``--log-level``). ``cluster``, ``engine_factory`` and ``on_phase``: see :func:`prepare_run`."""
+    ``--log-level``). ``cluster``, ``engine_factory``, ``on_phase`` and ``before_load``: see
+    :func:`prepare_run`."""
     from miles_core.training.run_log import RunLog
 
     # Attached here, or nested in the caller's block (miles_core.launch under --use-ray), whose
     # end then closes the file; the error that ends the run is the file's last line.
     with RunLog.of(log, config).attached() as run_log:
-        return await logged_train(config, log=run_log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
+        return await logged_train(
+            config, log=run_log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase, before_load=before_load
+        )
 
 
 async def logged_train(
@@ -294,6 +304,7 @@ async def logged_train(
     cluster: Any = None,
     engine_factory: EngineFactory | None = None,
     on_phase: Callable[[str, Any], None] | None = None,
+    before_load: Callable[[Config, Log], None] | None = None,
 ) -> Path:
     """:func:`train` with its :class:`~miles_core.training.run_log.RunLog` (``log``), which
     starts writing ``RUN_DIR/train.log`` once the run directory exists."""
@@ -303,7 +314,7 @@ async def logged_train(
     from miles_core.training.guard import stop_for_alarm
     from miles_core.training.metrics_logging import metrics_logger
 
-    run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase)
+    run = await prepare_run(config, log=log, cluster=cluster, engine_factory=engine_factory, on_phase=on_phase, before_load=before_load)
     out = run.out
     log.open(out)  # the lines logged so far, then every line as it is logged
     on_failure = FailureCheckpoint(run)

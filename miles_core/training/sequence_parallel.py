@@ -150,12 +150,6 @@ def _check_processors(name: str, module: torch.nn.Module, layout: Layout) -> lis
         processors.append(processor)
     if not processors:
         raise ConfigError(f"{FLAG} {layout.sp}: component {name} ({type(module).__name__}) has no attention to split")
-    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-    if heads is not None and int(heads) % layout.ulysses:
-        raise ConfigError(
-            f"{FLAG} {layout.sp} --ulysses-degree {layout.ulysses}: Ulysses gives each rank a share of the attention "
-            f"heads, and component {name} has {heads}; use a Ulysses degree that divides {heads}"
-        )
     return processors
 
 
@@ -174,21 +168,43 @@ def apply_context_parallel(modules: Mapping[str, torch.nn.Module], family: Any, 
         context_parallel_config=ContextParallelConfig(ring_degree=layout.ring, ulysses_degree=layout.ulysses, mesh=world_mesh)
     )
     parallel.setup(layout.rank, layout.world, device, mesh=world_mesh)  # collective: flattens the ring x ulysses mesh
-    for name, module in modules.items():
-        plan = family.context_parallel_plan(name, module, layout.sp)
-        if not plan:
-            raise ConfigError(
-                f"{FLAG} {layout.sp}: component {name} ({type(module).__name__}) has no context-parallel plan (no _cp_plan "
-                f"in diffusers, none from the {type(family).__name__} family)"
-            )
+    # The plans, the heads rule and the size checks (installed first: their output checks
+    # must run inside diffusers' split).
+    plans = check_split_shapes(modules, family, layout.sp, layout.ulysses)
+    for (name, module), plan in zip(modules.items(), plans):
         if config.fsdp_attention_backend:
             set_attention_backend({name: module}, config.fsdp_attention_backend)  # processors the family installed too
         for processor in _check_processors(name, module, layout):
             processor._parallel_config = parallel
         module._parallel_config = parallel  # what enable_parallelism records: set_attention_backend checks it
-        install_size_checks(name, module, plan, layout.sp)  # first: its output checks must run inside diffusers' split
         apply_plan(module, parallel.context_parallel_config, plan)
     return parallel
+
+
+def check_split_shapes(modules: Mapping[str, torch.nn.Module], family: Any, sequence_parallel: int, ulysses: int) -> list[Any]:
+    """What can be checked of a split before any rank exists: every trained component has a
+    plan (the family's or diffusers'), and its attention heads divide over the Ulysses
+    degree. Installs the plan's size checks (:func:`install_size_checks`) without splitting
+    anything, so a forward afterwards raises the one-line :class:`ConfigError` of a
+    tensor whose tokens ``sequence_parallel`` ranks cannot share; the memory planner runs
+    one on the meta device before a run loads. Returns the plans."""
+    plans = []
+    for name, module in modules.items():
+        plan = family.context_parallel_plan(name, module, sequence_parallel)
+        if not plan:
+            raise ConfigError(
+                f"{FLAG} {sequence_parallel}: component {name} ({type(module).__name__}) has no context-parallel plan (no "
+                f"_cp_plan in diffusers, none from the {type(family).__name__} family)"
+            )
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        if heads is not None and int(heads) % ulysses:
+            raise ConfigError(
+                f"{FLAG} {sequence_parallel} --ulysses-degree {ulysses}: Ulysses gives each rank a share of the attention "
+                f"heads, and component {name} has {heads}; use a Ulysses degree that divides {heads}"
+            )
+        install_size_checks(name, module, plan, sequence_parallel)
+        plans.append(plan)
+    return plans
 
 
 def install_size_checks(name: str, module: torch.nn.Module, plan: Mapping[str, Any], degree: int) -> None:
@@ -249,4 +265,4 @@ def install_size_checks(name: str, module: torch.nn.Module, plan: Mapping[str, A
                 HookRegistry.check_if_exists_or_initialize(target).register_hook(OutputCheck(outputs, label), f"sp_check---{module_id}")
 
 
-__all__ = ["FLAG", "Layout", "apply_context_parallel", "build_meshes", "install_size_checks", "layout_from_config"]
+__all__ = ["FLAG", "Layout", "apply_context_parallel", "build_meshes", "check_split_shapes", "install_size_checks", "layout_from_config"]

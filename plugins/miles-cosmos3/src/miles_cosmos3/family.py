@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_core.api import (
     Conditioning,
@@ -155,6 +155,19 @@ class Cosmos3Family(ModelFamily):
     def _cfg(params: GenerationParams) -> bool:
         return params.guidance_scale != 1.0  # Cosmos3OmniPipeline.do_classifier_free_guidance
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """Token ids filling ``max_sequence_length`` (mask all ones: the longest prompt
+        :meth:`encode` accepts), the negative side too under CFG; on the CPU, where
+        :meth:`predict` selects them by the mask."""
+        import torch
+
+        length = int(params.extra.get("max_sequence_length", self.max_sequence_length))
+
+        def side() -> dict[str, torch.Tensor]:
+            return {"input_ids": torch.zeros(1, length, dtype=torch.long), "attention_mask": torch.ones(1, length, dtype=torch.long)}
+
+        return Conditioning(side(), side() if self._cfg(params) else None)
+
     def encode(self, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
         """The pipeline's token ids (system prompt, duration/resolution templates, eos and
         ``<|vision_start|>``), right-padded to ``max_sequence_length`` with a mask. There
@@ -239,15 +252,21 @@ class Cosmos3Family(ModelFamily):
 
         pipe = self.pipeline
         transformer = pipe.transformer
-        text = pipe._prepare_text_segment(ids.tolist(), device=self.device)
-        vision = pipe._prepare_vision_segment(
-            input_vision_tokens=x,
-            has_image_condition=False,
-            mrope_offset=text["vision_start_temporal_offset"],
-            vision_fps=params.fps if params.fps is not None else _DEFAULT_FPS,
-            curr=text["und_len"],
-            device=self.device,
-            condition_frame_indexes=[],
+        # The segments' index tensors are built on the host, where the pipeline reads some
+        # of them back (tolist), then moved: the same values without a device sync, and
+        # buildable while the model is on the meta device (the memory planner's).
+        text = _on_device(pipe._prepare_text_segment(ids.tolist(), device="cpu"), self.device)
+        vision = _on_device(
+            pipe._prepare_vision_segment(
+                input_vision_tokens=x,
+                has_image_condition=False,
+                mrope_offset=text["vision_start_temporal_offset"],
+                vision_fps=params.fps if params.fps is not None else _DEFAULT_FPS,
+                curr=text["und_len"],
+                device="cpu",
+                condition_frame_indexes=[],
+            ),
+            self.device,
         )
         # fp32 timesteps, one per noisy vision token (the pipeline's torch.full of t.item()).
         timesteps = torch.full((vision["num_noisy_vision_tokens"],), timestep, dtype=torch.float32, device=self.device)
@@ -265,10 +284,10 @@ class Cosmos3Family(ModelFamily):
             vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
             return_dict=False,
         )
-        # No conditioning frame: the pipeline's mask keeps every position.
-        mask = torch.zeros((x.shape[2], 1, 1), dtype=torch.float32, device=self.device)
-        velocity, _, _ = pipe._mask_velocity_predictions(preds, None, vision_condition_mask=[mask])
-        return velocity.float()
+        # No conditioning frame: the pipeline's _mask_velocity_predictions multiplies by a
+        # noisy-position mask of ones, which changes no value (and reads the mask's sum,
+        # which the memory planner's meta tensors cannot give), so the prediction is taken as is.
+        return preds[0].float()
 
     def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
         """One transformer call per row (two with CFG, conditional first), never batched:
@@ -361,6 +380,15 @@ class Cosmos3Family(ModelFamily):
     # -- class side -------------------------------------------------------------------
 
     @classmethod
+    def plan_components(cls, checkpoint: str | Path) -> dict[str, Any]:
+        """The planner's pipeline needs a tokenizer with the special tokens its constructor
+        looks up (eos, ``<|vision_start|>``): a locally built Qwen2 one. Its vocabulary does
+        not matter there: :meth:`plan_conditioning` gives ids of the longest prompt."""
+        from miles_core.api import qwen2_tokenizer
+
+        return {"text_tokenizer": qwen2_tokenizer()}
+
+    @classmethod
     def build_tiny_pipeline(cls, out_dir: str | Path, *, seed: int = 0) -> Path:
         """Write a randomly initialised tiny Cosmos3OmniPipeline to ``out_dir``."""
         from miles_cosmos3.tiny import build
@@ -371,3 +399,17 @@ class Cosmos3Family(ModelFamily):
     def native_size(cls, checkpoint: str | Path) -> tuple[int, int] | None:
         """``(720, 1280)``: the pipeline's fixed defaults, whatever the checkpoint."""
         return (_DEFAULT_HEIGHT, _DEFAULT_WIDTH)
+
+
+def _on_device(segment: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A segment dict of the pipeline's with its tensors (alone or in lists) on ``device``."""
+    import torch
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, list) and value and all(isinstance(item, torch.Tensor) for item in value):
+            return [item.to(device) for item in value]
+        return value
+
+    return {key: move(value) for key, value in segment.items()}

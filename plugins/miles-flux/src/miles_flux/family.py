@@ -112,6 +112,13 @@ class FluxFamily(ModelFamily):
         negative = self._encode_one(self.default_negative_prompt if negative_prompt is None else negative_prompt, params)
         return Conditioning(positive, negative)
 
+    def _plan_one(self, params: GenerationParams) -> dict[str, torch.Tensor]:
+        """What :meth:`_encode_one` returns, by shape, at the full prompt length."""
+        raise NotImplementedError
+
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        return Conditioning(self._plan_one(params), self._plan_one(params) if self._cfg(params) else None)
+
     def _check_pixels(self, pixels: torch.Tensor) -> None:
         """``encode_pixels``' input: images ``[B, C, H, W]`` whose sides the packing splits."""
         if pixels.ndim != 4:

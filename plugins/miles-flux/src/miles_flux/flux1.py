@@ -114,6 +114,17 @@ class Flux1Family(FluxFamily):
             )
         return {EMBEDS: embeds.to(self.device, self.dtype), POOLED: pooled.to(self.device, self.dtype)}
 
+    def _plan_one(self, params: GenerationParams) -> dict[str, torch.Tensor]:
+        """T5's prompt padded to ``max_sequence_length`` and CLIP's pooling, as encode_prompt gives them."""
+        import torch
+
+        config = self.pipeline.transformer.config
+        length = int(params.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+        return {
+            EMBEDS: torch.zeros(1, length, config.joint_attention_dim, device=self.device, dtype=self.dtype),
+            POOLED: torch.zeros(1, config.pooled_projection_dim, device=self.device, dtype=self.dtype),
+        }
+
     def _latent_grid(self, params: GenerationParams) -> tuple[int, int]:
         """Unpacked latent ``(h, w)`` as ``prepare_latents`` computes them."""
         s = self.pipeline.vae_scale_factor

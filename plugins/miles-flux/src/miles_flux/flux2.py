@@ -146,6 +146,15 @@ class Flux2Family(FluxFamily):
             embeds, _ = self.pipeline.encode_prompt(prompt=prompt, device=self.device, num_images_per_prompt=1, max_sequence_length=length)
         return {EMBEDS: embeds.to(self.device, self.dtype)}
 
+    def _plan_one(self, params: GenerationParams) -> dict[str, torch.Tensor]:
+        """The Qwen3 prompt padded to ``max_sequence_length``, its stacked hidden layers
+        (the transformer's ``joint_attention_dim``), as encode_prompt gives them."""
+        import torch
+
+        length = int(params.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+        width = self.pipeline.transformer.config.joint_attention_dim
+        return {EMBEDS: torch.zeros(1, length, width, device=self.device, dtype=self.dtype)}
+
     def _token_grid(self, params: GenerationParams) -> tuple[int, int]:
         """The packed token grid ``(h/2, w/2)``, with ``(h, w)`` the latent size as
         ``prepare_latents`` computes it."""

@@ -218,6 +218,27 @@ class LtxFamily(ModelFamily):
             negative = self._connect(neg_embeds, neg_mask, padding_side) if cfg else None
         return Conditioning(positive, negative)
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """The connectors' outputs for a prompt padded to ``max_sequence_length`` (the
+        connectors' registers fill the padding, so every position reaches the
+        transformer): video and audio embeddings of the transformer's cross-attention
+        widths and the float mask; the negative side too under CFG."""
+        import torch
+
+        config = self.pipeline.transformer.config
+        length = int(params.extra.get(_MAX_SEQUENCE_LENGTH, self.max_sequence_length))
+
+        def side() -> dict[str, torch.Tensor]:
+            return {
+                "encoder_hidden_states": torch.zeros(1, length, config.cross_attention_dim, device=self.device, dtype=self.dtype),
+                "audio_encoder_hidden_states": torch.zeros(
+                    1, length, config.audio_cross_attention_dim, device=self.device, dtype=self.dtype
+                ),
+                "encoder_attention_mask": torch.ones(1, length, device=self.device, dtype=self.dtype),
+            }
+
+        return Conditioning(side(), side() if self._cfg(params) else None)
+
     def _connect(self, embeds: torch.Tensor, mask: torch.Tensor, padding_side: str) -> dict[str, torch.Tensor]:
         """The text connectors (frozen, not trainable) as LTX2Pipeline runs them; the
         keys are the transformer's keyword arguments."""

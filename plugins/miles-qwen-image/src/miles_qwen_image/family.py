@@ -136,6 +136,23 @@ class QwenImageFamily(ModelFamily):
     def _max_sequence_length(params: GenerationParams) -> int:
         return int(params.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """A prompt of ``max_sequence_length`` tokens (every mask entry 1, so the whole
+        length reaches the transformer), of its ``joint_attention_dim``; the mask on the
+        CPU, where :meth:`predict` reads it."""
+        import torch
+
+        length = self._max_sequence_length(params)
+        width = self.pipeline.transformer.config.joint_attention_dim
+
+        def side() -> dict[str, torch.Tensor]:
+            return {
+                EMBEDS: torch.zeros(1, length, width, device=self.device, dtype=self.dtype),
+                MASK: torch.ones(1, length, dtype=torch.long),
+            }
+
+        return Conditioning(side(), side() if self._cfg(params) else None)
+
     def encode(self, prompt: str, negative_prompt: str | None, params: GenerationParams) -> Conditioning:
         cfg = self._cfg(params)
         positive = self._encode_one(prompt, params)
@@ -216,13 +233,15 @@ class QwenImageFamily(ModelFamily):
         """Embeddings and mask of one side, cut to the batch's longest prompt; the mask
         is None when no row is padded (``encode_prompt`` drops an all-ones mask)."""
         embeds = tensors[EMBEDS].to(self.device, self.dtype)
-        mask = tensors[MASK].to(self.device) != 0  # long from encode, float through the trainer
+        # Read where the conditioning keeps the mask (long from encode, float through the
+        # trainer): the memory planner's is on the CPU, its model on the meta device.
+        mask = tensors[MASK] != 0
         if embeds.shape[0] != batch or mask.shape[0] != batch:
             raise ValueError(f"conditioning has {embeds.shape[0]} rows for {batch} latents")
         used = mask.any(dim=0).nonzero()
         length = int(used.max()) + 1 if used.numel() else 1
         embeds, mask = embeds[:, :length], mask[:, :length]
-        return embeds, (None if bool(mask.all()) else mask.long())
+        return embeds, (None if bool(mask.all()) else mask.long().to(self.device))
 
     def predict(self, latents: Latents, timestep: torch.Tensor, cond: Conditioning, params: GenerationParams) -> Latents:
         import torch

@@ -112,6 +112,22 @@ class SD3Family(ModelFamily):
 
         return Conditioning(pack(embeds, pooled), pack(neg_embeds, neg_pooled) if cfg else None)
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """77 CLIP tokens then the T5 prompt at its full length (encode_prompt pads both to
+        it), of the transformer's ``joint_attention_dim``; the two CLIP poolings."""
+        import torch
+
+        config = self.pipeline.transformer.config
+        length = 77 + int(params.extra.get("max_sequence_length", self.max_sequence_length))
+
+        def side() -> dict[str, torch.Tensor]:
+            return {
+                "encoder_hidden_states": torch.zeros(1, length, config.joint_attention_dim, device=self.device, dtype=self.dtype),
+                "pooled_projections": torch.zeros(1, config.pooled_projection_dim, device=self.device, dtype=self.dtype),
+            }
+
+        return Conditioning(side(), side() if self._cfg(params) else None)
+
     def _latent_shape(self, params: GenerationParams) -> tuple[int, int, int]:
         s = self.pipeline.vae_scale_factor
         return self.pipeline.transformer.config.in_channels, params.height // s, params.width // s

@@ -149,8 +149,11 @@ class Wan22Family(WanFamilyBase):
 
         x = latents["latents"].to(self.device, self.dtype)
         batch = x.shape[0]
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1).expand(batch)
-        high = t >= self.boundary_timestep
+        given = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(batch)
+        # The expert is chosen where the caller keeps the timesteps (the memory planner's
+        # are on the CPU while its model is on the meta device, which holds no values).
+        high = given >= self.boundary_timestep
+        t = given.to(self.device)
         if bool(high.all()) or not bool(high.any()):
             expert = EXPERTS[0] if bool(high[0]) else EXPERTS[1]
             return {"latents": self._expert_velocity(expert, x, t, cond, params).float()}
@@ -158,6 +161,7 @@ class Wan22Family(WanFamilyBase):
         # may): one forward per expert, rows put back in place.
         out = torch.empty(x.shape, dtype=torch.float32, device=self.device)
         for expert, rows in ((EXPERTS[0], high.nonzero().flatten()), (EXPERTS[1], (~high).nonzero().flatten())):
+            rows = rows.to(self.device)
             part = _take_rows(cond, rows)
             out[rows] = self._expert_velocity(expert, x[rows], t[rows], part, params).float()
         return {"latents": out}

@@ -125,6 +125,17 @@ class WanI2VFamily(Wan22Family):
         cond.positive[IMAGE_LATENTS] = condition.to(self.device, self.dtype)
         return cond
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """The text embeddings' shapes and :meth:`image_condition`'s: ``[1, t + z, F, h, w]``
+        (t the VAE's temporal factor: the first-frame mask folded into channels)."""
+        import torch
+
+        cond = super().plan_conditioning(params)
+        z, frames, height, width = self._latent_shape(params)
+        channels = self.pipeline.vae_scale_factor_temporal + z
+        cond.positive[IMAGE_LATENTS] = torch.zeros(1, channels, frames, height, width, device=self.device, dtype=self.dtype)
+        return cond
+
     def _latent_shape(self, params: GenerationParams) -> tuple[int, int, int, int]:
         # The noise has the VAE's channels; the experts' in_channels also hold the condition.
         return (self.pipeline.vae.config.z_dim, *super()._latent_shape(params)[1:])

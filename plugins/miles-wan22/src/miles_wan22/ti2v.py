@@ -138,6 +138,17 @@ class WanTI2VFamily(WanFamilyBase):
                 cond.positive[IMAGE_LATENTS] = self._normalised_latent_mean(self._condition_pixels(params).unsqueeze(2))
         return cond
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """The text embeddings' shapes and, with an image, its latent frame's
+        ``[1, z, 1, h, w]`` in fp32 (as :meth:`encode` gives them)."""
+        import torch
+
+        cond = super().plan_conditioning(params)
+        if params.image is not None:
+            z, _, height, width = self._latent_shape(params)
+            cond.positive[IMAGE_LATENTS] = torch.zeros(1, z, 1, height, width, device=self.device, dtype=torch.float32)
+        return cond
+
     def initial_latents(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> Latents:
         """The pipeline's noise over all latent frames, one draw per output; in image mode
         the state keeps frames ``1..`` (frame 0 is the image, see the module docstring)."""

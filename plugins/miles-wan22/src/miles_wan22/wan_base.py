@@ -144,6 +144,19 @@ class WanFamilyBase(ModelFamily):
         negative = {"encoder_hidden_states": neg_embeds.to(self.device, self.dtype)} if cfg else None
         return Conditioning(positive, negative)
 
+    def plan_conditioning(self, params: GenerationParams) -> Conditioning:
+        """UMT5's prompt padded to ``max_sequence_length`` (as the pipeline pads it), of the
+        transformer's ``text_dim``; the negative one too under CFG."""
+        import torch
+
+        length = int(params.extra.get(MAX_SEQUENCE_LENGTH, WAN_MAX_SEQUENCE_LENGTH))
+        width = self.pipeline.transformer.config.text_dim
+
+        def side() -> dict[str, torch.Tensor]:
+            return {"encoder_hidden_states": torch.zeros(1, length, width, device=self.device, dtype=self.dtype)}
+
+        return Conditioning(side(), side() if self._cfg(params) else None)
+
     def _encode_prompt(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(prompt_embeds, negative_prompt_embeds)`` as the pipeline's ``encode_prompt``
         returns them for ``kwargs``; a family whose pipeline class cannot run its own
