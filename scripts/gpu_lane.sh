@@ -10,7 +10,9 @@
 #   scripts/gpu_lane.sh --only train     one section (see SECTIONS): train (bench/gpu_train.py),
 #                                        ipc_sync (bench/gpu_ipc_sync.py), group_sync
 #                                        (bench/gpu_group_sync.py; its nccl case needs 2 GPUs),
-#                                        compile (bench/compile.py: --compile vs eager)
+#                                        compile (bench/compile.py: --compile vs eager),
+#                                        plan (bench/gpu_plan.py: the memory plan against
+#                                        torch.cuda.max_memory_allocated)
 #   scripts/gpu_lane.sh --dry-run        every section at the tiny size on the CPU, with
 #                                        .venv's Python and nothing installed (seconds; the
 #                                        sections side by side, output in section order)
@@ -20,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-SECTIONS=(train ipc_sync group_sync compile)
+SECTIONS=(train ipc_sync group_sync compile plan)
 
 usage() { echo "usage: scripts/gpu_lane.sh [--only SECTION] [--dry-run | --install-only]; sections: ${SECTIONS[*]}" >&2; exit 2; }
 only=""
@@ -111,6 +113,7 @@ section_command() {  # sets cmd
     ipc_sync) cmd=("$PY" bench/gpu_ipc_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
     group_sync) cmd=("$PY" bench/gpu_group_sync.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
     compile) cmd=("$PY" bench/compile.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
+    plan) cmd=("$PY" bench/gpu_plan.py --out "$RESULTS" ${section_args[@]+"${section_args[@]}"}) ;;
   esac
 }
 

@@ -21,10 +21,17 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "memory.py": ["--smoke"],
     "anchor.py": ["--smoke"],
     "prompt_embeddings.py": ["--smoke"],
+    "plan_accuracy.py": ["--smoke"],
 }
 """One tiny round of each benchmark: the smallest arguments that still run every phase it measures."""
 
-LANE_SECTIONS = {"gpu_train.py": "train", "gpu_ipc_sync.py": "ipc_sync", "gpu_group_sync.py": "group_sync", "compile.py": "compile"}
+LANE_SECTIONS = {
+    "gpu_train.py": "train",
+    "gpu_ipc_sync.py": "ipc_sync",
+    "gpu_group_sync.py": "group_sync",
+    "compile.py": "compile",
+    "gpu_plan.py": "plan",
+}
 """The GPU lane's sections under ``bench/``: their dry run is the lane's (tests/test_gpu_lane.py),
 also the smoke round of ``compile.py`` (a CPU benchmark too): a second round would compile again."""
 

@@ -104,7 +104,7 @@ def test_gpu_lane_dry_run_runs_every_section(tmp_path):
 def test_gpu_lane_names_its_sections_when_one_is_unknown():
     result = _lane("--only", "bogus")
     assert result.returncode == 2
-    assert result.stderr == "gpu_lane.sh: unknown section 'bogus'; the sections are: train ipc_sync group_sync compile\n"
+    assert result.stderr == "gpu_lane.sh: unknown section 'bogus'; the sections are: train ipc_sync group_sync compile plan\n"
 
 
 def test_gpu_lane_needs_the_wheels_folder(tmp_path):

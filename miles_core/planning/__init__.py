@@ -76,8 +76,9 @@ def plan_run(config: Any, *, training: bool = False) -> Any:
     if reason is not None:
         raise ConfigError(f"cannot plan memory: {reason}")
     dtype = planned_dtype(config, training=training)
-    measured = measure_run(config, dtype=dtype)
     capacity, source, on_host = device_capacity(config, training=training)
+    # torch steps AdamW over all tensors at once on a GPU, one tensor at a time on a CPU.
+    measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host)
     spec = get_host().registries.model_family.get(config.model_family).spec
     options = {
         "sequence_parallel": spec.sequence_parallel_refusal is None,

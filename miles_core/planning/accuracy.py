@@ -70,7 +70,10 @@ def measured_peak(config: Any, *, device: str = "cpu") -> dict[str, int]:
     (weights of a constant value), its trainer, then run a training micro-batch, the
     optimizer step and a second micro-batch, under the profiler: ``{"built": bytes,
     "peak": bytes}``, the total the allocator reported once the trainer was built, and the
-    highest total from there on (everything allocated since the build's start)."""
+    highest total from there on (everything allocated since the build's start); on CUDA
+    also ``"max_memory_allocated"`` (``torch.cuda.max_memory_allocated`` over the same span)."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from miles_core.family import pipeline_class_for
@@ -79,13 +82,19 @@ def measured_peak(config: Any, *, device: str = "cpu") -> dict[str, int]:
     from miles_core.planning.meta_pipeline import build_pipeline_from_configs
     from miles_core.training.run import build_trainer
 
+    gc.collect()  # an earlier measurement's cycles are not this one's memory
     checkpoint = Path(config.hf_checkpoint)
     family_cls = family_class(config)
     dtype = torch_dtype(config.diffusion_forward_dtype)
     pipeline = build_pipeline_from_configs(
         checkpoint, pipeline_class_for(family_cls, checkpoint), dtype, family_cls.plan_components(checkpoint)
     )
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated_before = torch.cuda.memory_allocated()
     with profile(activities=activities, profile_memory=True) as prof:
         family = family_cls(_materialised(pipeline, device), device=device, dtype=dtype)
         trainer = build_trainer(config, family)
@@ -99,7 +108,11 @@ def measured_peak(config: Any, *, device: str = "cpu") -> dict[str, int]:
             trainer.masters.gather_gradients()
             trainer.optimizer.step()
             count_micro_batch(trainer, params, cond, t)
-    return _allocator_totals(prof, device)
+    totals = _allocator_totals(prof, device)
+    if cuda:  # the caching allocator's own high-water mark, as the GPU lane reports it
+        torch.cuda.synchronize()
+        totals["max_memory_allocated"] = torch.cuda.max_memory_allocated() - allocated_before
+    return totals
 
 
 def _allocator_totals(prof: Any, device: str) -> dict[str, int]:
@@ -111,12 +124,19 @@ def _allocator_totals(prof: Any, device: str) -> dict[str, int]:
         events = json.loads(trace.read_text())["traceEvents"]
     start = min(e["ts"] for e in events if e.get("name") == "miles_plan_steps")
     kind = 1 if device.startswith("cuda") else 0  # the trace's "Device Type": 0 CPU, 1 CUDA
-    memory = sorted(
-        (e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == kind
+    records = sorted(
+        (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == kind
     )
-    built = max((total for ts, total in memory if ts < start), default=0)
-    before = [total for ts, total in memory if ts < start]
-    return {"built": before[-1] if before else 0, "peak": max([built, *(total for ts, total in memory if ts >= start)])}
+    if not records:
+        return {"built": 0, "peak": 0}
+    # The totals are the allocator's, process-wide: what was allocated before the profile
+    # started (and is still alive) is taken off.
+    base = records[0][1] - records[0][2]
+    before = [total - base for ts, total, _ in records if ts < start]
+    built = before[-1] if before else 0
+    return {"built": built, "peak": max([built, *(total - base for ts, total, _ in records if ts >= start)])}
 
 
 __all__ = ["DEPTH_KEYS", "measured_peak", "reduced_checkpoint"]
