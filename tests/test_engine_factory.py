@@ -101,6 +101,41 @@ def test_http_engine_from_config():
     assert engine.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and engine.max_concurrency == 3
 
 
+def test_a_host_cache_keeps_its_byte_bound_least_recently_used_first(tiny_sd3):
+    """The trainer's SFT prompt cache (on_host, max_bytes): entries on the host, the
+    encodings handed back equal to a fresh encode, the oldest evicted past the bound."""
+    from miles_core.engine.sampler import ConditioningCache
+    from miles_core.request import RolloutRequest
+
+    engine = create_engine(config_for(tiny_sd3))
+    family = engine.family
+    params = family.resolve_params(RolloutRequest(prompt="p", num_inference_steps=2, height=32, width=32))
+    one = ConditioningCache(max_entries=100, on_host=True)
+    one.encode(family, "a red cube", None, params)
+    size = one.nbytes
+    assert size > 0
+    cache = ConditioningCache(max_entries=100, on_host=True, max_bytes=2 * size)
+    for prompt in ("a red cube", "a blue ball", "a red cube", "a green tree"):
+        cond = cache.encode(family, prompt, None, params)
+        fresh = family.encode(prompt, None, params)
+        assert all(torch.equal(cond.positive[k], fresh.positive[k]) for k in fresh.positive)
+        assert all(t.device == family.device for t in cond.positive.values())
+    # "a blue ball" was the least recently used when "a green tree" came: it went.
+    assert (cache.misses, cache.hits, cache.nbytes) == (3, 1, 2 * size)
+    cache.encode(family, "a red cube", None, params)
+    cache.encode(family, "a blue ball", None, params)
+    assert (cache.misses, cache.hits) == (4, 2)
+    # Control: without the bound nothing is evicted.
+    unbounded = ConditioningCache(max_entries=100, on_host=True)
+    for prompt in ("a red cube", "a blue ball", "a green tree", "a blue ball"):
+        unbounded.encode(family, prompt, None, params)
+    assert (unbounded.misses, unbounded.hits, unbounded.nbytes) == (3, 1, 3 * size)
+    # An entry larger than the bound is used, not kept.
+    tiny = ConditioningCache(max_entries=100, on_host=True, max_bytes=size - 1)
+    tiny.encode(family, "a red cube", None, params)
+    assert tiny.nbytes == 0
+
+
 def test_microgroups_of_one_prompt_encode_it_once(tiny_sd3):
     from miles_core.request import RolloutRequest
 

@@ -186,7 +186,7 @@ def test_counts_at_reduced_depth_extrapolate_exactly(tiny_sd3, tmp_path):
     exact = measure_run(config, dtype=torch.float32, exact_depth=True)
     assert fast.step == exact.step and fast.sampling_peak == exact.sampling_peak
     # Control: one block fewer changes what is counted.
-    shallower = measure_run(resolve_config(_args(_deeper(tiny_sd3, tmp_path / "shallow", 6))), dtype=torch.float32)
+    shallower = measure_run(resolve_config(_args(_deeper(tiny_sd3, tmp_path / "shallow", 6))), dtype=torch.float32, checkpointing=(False,))
     assert shallower.step[False].retained < fast.step[False].retained
 
 
@@ -393,3 +393,27 @@ def test_the_plan_matches_the_peak_the_profiler_measures(tmp_path):
     # Control: the plan of one sample per micro-batch is visibly short of the measured two.
     smaller = _phase(plan_run(config(1), training=True).rank, "train")
     assert (smaller.nbytes - static) / (measured["peak"] - measured["built"]) < 0.85
+
+
+def test_ranks_on_the_host_add_up():
+    """Without a GPU every training rank computes on this host: its memory holds each
+    rank's share (and the rollout's samples once)."""
+    m = _measurements()
+    one = build_plan(
+        m, SETTING, capacity=1000 * GIB, capacity_source="host", on_host=True, fix_options={"sequence_parallel": False, "precompute": False}
+    )
+    two = build_plan(
+        m,
+        Setting(2, 1, False, False, True),
+        capacity=1000 * GIB,
+        capacity_source="host",
+        on_host=True,
+        fix_options={"sequence_parallel": False, "precompute": False},
+    )
+    samples = m.trajectory_bytes * m.samples_per_rollout
+    per_rank = _phase(rank_phases(m, Setting(2, 1, False, False, True)), "train").nbytes
+    assert two.peak().nbytes == 2 * per_rank + samples
+    assert one.peak().nbytes == _phase(rank_phases(m, SETTING), "train").nbytes + samples
+    # Control: on a GPU a rank's plan is its own.
+    gpu = build_plan(m, Setting(2, 1, False, False, True), capacity=1000 * GIB, capacity_source="gpu", on_host=False, fix_options={})
+    assert gpu.peak().nbytes == per_rank

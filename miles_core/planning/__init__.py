@@ -78,15 +78,21 @@ def plan_run(config: Any, *, training: bool = False) -> Any:
     dtype = planned_dtype(config, training=training)
     capacity, source, on_host = device_capacity(config, training=training)
     # torch steps AdamW over all tensors at once on a GPU, one tensor at a time on a CPU.
-    measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host)
+    # train's check counts the micro-batch as configured first, and the other setting only
+    # when a fix is needed (half the count for a run that fits).
+    first = (bool(config.gradient_checkpointing),) if training else (False, True)
+    measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host, checkpointing=first)
     spec = get_host().registries.model_family.get(config.model_family).spec
     options = {
         "sequence_parallel": spec.sequence_parallel_refusal is None,
         "precompute": not config.use_ray and config.rollout_engine == "embedded",
     }
-    return build_plan(
-        measured, Setting.from_config(config), capacity=capacity, capacity_source=source, on_host=on_host, fix_options=options
-    )
+    setting = Setting.from_config(config)
+    plan = build_plan(measured, setting, capacity=capacity, capacity_source=source, on_host=on_host, fix_options=options)
+    if not plan.fits and len(first) == 1:
+        measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host)
+        plan = build_plan(measured, setting, capacity=capacity, capacity_source=source, on_host=on_host, fix_options=options)
+    return plan
 
 
 def check_memory_plan(config: Any) -> Any | None:

@@ -259,12 +259,20 @@ def plan_request(config: Any, size: int, image: str | None = None) -> Any:
     return settings.request("plan", Microgroup(0, 0, size, 0), selection.sde_steps, selection.return_steps, image=image)
 
 
-def measure_run(config: Any, *, dtype: torch.dtype, optimizer_foreach: bool = True, exact_depth: bool = False) -> Measurements:
+def measure_run(
+    config: Any,
+    *,
+    dtype: torch.dtype,
+    optimizer_foreach: bool = True,
+    exact_depth: bool = False,
+    checkpointing: tuple[bool, ...] = (False, True),
+) -> Measurements:
     """Count what ``config``'s run holds (see the module docstring), its modules in
     ``dtype``; ``config.hf_checkpoint`` must be a local diffusers directory. The
     denoisers' counts come from reduced depths (:func:`by_depth`) unless ``exact_depth``;
     ``optimizer_foreach``: count the optimizer step as on a GPU (torch's multi-tensor
-    AdamW), else as on a CPU."""
+    AdamW), else as on a CPU; ``checkpointing``: the gradient-checkpointing settings whose
+    micro-batch is counted (both by default: a fix may turn it on)."""
     from miles_core.family import pipeline_class_for
     from miles_core.model_loading import family_class
     from miles_core.planning.meta_pipeline import build_pipeline_from_configs
@@ -322,16 +330,16 @@ def measure_run(config: Any, *, dtype: torch.dtype, optimizer_foreach: bool = Tr
         # for it (SD3 pads the text to a multiple of the degree) are what the steps run.
         _check_sequence_split(trainer, config, params, cond, steps)
     if cond is not None:
-        for checkpointing in (False, True):
+        for checkpointed in checkpointing:
             counts = []
             for name in trained:
                 t = timestep_for(family, name, params, steps)
                 module = family.components()[name]
-                with _gradient_checkpointing(trainer.modules, checkpointing):
+                with _gradient_checkpointing(trainer.modules, checkpointed):
                     counts.append(
                         StepCount(*by_depth(module, functools.partial(count_micro_batch, trainer, params, cond, t), exact=exact_depth))
                     )
-            measured.step[checkpointing] = max(counts, key=lambda count: count.peak)
+            measured.step[checkpointed] = max(counts, key=lambda count: count.peak)
     gradients, peak = _optimizer_step(trainer, foreach=optimizer_foreach)
     measured.train_state = _train_state(trainer, config, gradients)
     # The first step's peak holds the state it creates: the plan lists the state apart.

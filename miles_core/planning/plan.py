@@ -115,7 +115,8 @@ class MemoryPlan:
     engine: list[Phase] | None
     host: list[Term]
     on_host: bool
-    """The run computes on the host (no GPU): the host terms count against the capacity too."""
+    """The run computes on the host (no GPU): the host terms count against the capacity too,
+    and so does every training rank's share (they all run on this host)."""
     fix: Fix | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -124,7 +125,15 @@ class MemoryPlan:
         computes on the host)."""
         phases = self.rank
         if self.on_host:
-            phases = [Phase(p.name, (*p.terms, *self.host)) for p in phases]
+            # Every training rank of the run computes on this host (a local Ray cluster):
+            # the host holds each rank's share, and the rollout's samples once.
+            ranks = self.setting.world
+            phases = [
+                Phase(p.name, (*(Term(f"{t.name} x {ranks} ranks", t.nbytes * ranks, t.detail) for t in p.terms), *self.host))
+                if ranks > 1
+                else Phase(p.name, (*p.terms, *self.host))
+                for p in phases
+            ]
         return max(phases, key=lambda phase: phase.nbytes)
 
     def engine_peak(self) -> Phase | None:
@@ -170,6 +179,9 @@ class MemoryPlan:
 
 
 def gib(nbytes: int) -> str:
+    """Bytes for people: MiB below 1 GiB, two decimals below 10 GiB, one above."""
+    if nbytes < GIB:
+        return f"{nbytes / (1 << 20):.1f} MiB"
     return f"{nbytes / GIB:.2f} GiB" if nbytes < 10 * GIB else f"{nbytes / GIB:.1f} GiB"
 
 

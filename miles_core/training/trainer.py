@@ -55,6 +55,11 @@ from miles_core.training.train_hooks import batch_preparer, pair_source
 log = logging.getLogger("miles_core.training")
 
 
+SFT_PROMPT_CACHE_BYTES = 8 << 30
+"""Host bytes the SFT prompt cache may hold (8 GiB: 4,096 prompts of SD3 at 2.8 MB each fit;
+LTX-2's 12.6 MB encodings keep the ~680 most recent), the least recently used going first."""
+
+
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
     components = family.components()
     names = [n.strip() for n in str(config.update_weight_target_module).split(",") if n.strip()]
@@ -175,8 +180,10 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
         self.optimizer_steps = 0
-        self.prompt_cache = ConditioningCache(max_entries=4096)
-        """SFT prompt encodings (frozen text encoders): each prompt is encoded once."""
+        self.prompt_cache = ConditioningCache(max_entries=4096, on_host=True, max_bytes=SFT_PROMPT_CACHE_BYTES)
+        """SFT prompt encodings (frozen text encoders): each prompt is encoded once, kept in
+        host memory (at most :data:`SFT_PROMPT_CACHE_BYTES`) and copied to the device when
+        a micro-batch uses it."""
         self.on_progress: Callable[[int, int], None] | None = None
         """Called as ``(done, total)`` during a rollout's training: after each micro-batch
         (policy loss) or optimizer step (nft, SFT); the run's progress bar."""
