@@ -97,9 +97,6 @@ class Measurements:
     """The bytes the optimizer step allocates at its peak beyond the gradients."""
     notes: list[str] = field(default_factory=list)
 
-    def component_bytes(self, role: str | None = None) -> int:
-        return sum(c.nbytes for c in self.components if role is None or c.role == role)
-
 
 def _module_bytes(module: torch.nn.Module) -> tuple[int, int]:
     tensors = [*module.parameters(), *module.buffers()]

@@ -31,8 +31,6 @@ from miles_core.planning.measure import Measurements
 
 GIB = 1 << 30
 
-FIX_ORDER = ("gradient_checkpointing", "precompute_prompt_embeddings", "world", "sequence_parallel")
-
 
 @dataclass(frozen=True)
 class Term:
@@ -247,7 +245,7 @@ def engine_phases(m: Measurements) -> list[Phase]:
     return [Phase("load", weights), Phase("rollout", (*weights, Term(what, peak, f"microgroup {m.microgroup}")))]
 
 
-def host_terms(m: Measurements, s: Setting) -> list[Term]:
+def host_terms(m: Measurements) -> list[Term]:
     if not m.trajectory_bytes:
         return []
     return [
@@ -285,7 +283,7 @@ def _plan(m: Measurements, s: Setting, capacity: int, source: str, on_host: bool
         capacity_source=source,
         rank=rank_phases(m, s),
         engine=None if s.embedded_engine else engine_phases(m),
-        host=host_terms(m, s),
+        host=host_terms(m),
         on_host=on_host,
     )
 
