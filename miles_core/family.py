@@ -245,6 +245,25 @@ class ModelFamily(abc.ABC):
     def decode(self, latents: Latents, params: GenerationParams) -> torch.Tensor:
         """Final latents to pixels in [0, 1]: ``[B, C, H, W]`` or ``[B, C, F, H, W]``."""
 
+    def enable_vae_tiling(self) -> None:
+        """``--vae-tiling``: make :meth:`decode` (and :meth:`encode_pixels`) use the VAE's
+        own spatial tiling. Default: ``pipeline.vae.enable_tiling()``, diffusers' tiling
+        with the VAE's default tile sizes; a VAE without it raises
+        :class:`~miles_core.errors.ConfigError`. A family that decodes with another
+        module overrides it."""
+        from miles_core.errors import ConfigError
+
+        vae = getattr(self.pipeline, "vae", None)
+        try:
+            if not callable(getattr(vae, "enable_tiling", None)):
+                raise NotImplementedError
+            vae.enable_tiling()  # diffusers raises NotImplementedError where the VAE has no tiled path
+        except NotImplementedError:
+            raise ConfigError(
+                f"--vae-tiling: the {type(self).__name__} family's VAE ({type(vae).__name__}) has no tiled decode "
+                "(diffusers' enable_tiling); leave the flag off"
+            ) from None
+
     def encode_pixels(self, pixels: torch.Tensor, params: GenerationParams) -> Latents:
         """Pixels in [0, 1] (``[B, C, H, W]`` or ``[B, C, F, H, W]``) to clean latents
         ``x0``, the inverse of :meth:`decode`; used by SFT. Families that support SFT

@@ -21,7 +21,8 @@ so a test can print it. They generalise what the SD3 tests pin:
   images; MP4 for videos when an encoder is installed, else an animated GIF).
 - :func:`check_real_configuration`: the contract at real size on a weightless real
   configuration (matched by name and content, parameters, LoRA targets counted, recipe
-  resolves), built on the meta device.
+  resolves and fits the GPUs its header names: :func:`check_recipe_fits`), built on the
+  meta device.
 
 The family is matched from the checkpoint as the configuration does (its
 ``model_index.json``, else its name); pass ``family=`` only when that finds none.
@@ -337,9 +338,11 @@ def check_real_configuration(
     - every default LoRA target a run on it gets names modules of each trainable component
       (:func:`miles_core.testing.assert_lora_targets`), counted (and equal to
       ``lora_targets`` when given);
-    - ``recipe`` resolves for training with this checkpoint (no training error).
+    - ``recipe`` resolves for training with this checkpoint (no training error) and fits
+      the GPUs its header names (:func:`check_recipe_fits`).
 
-    Returns ``{"parameters": {component: count}, "lora_targets": {component: {target: modules}}}``."""
+    Returns ``{"parameters": {component: count}, "lora_targets": {component: {target: modules}}}``
+    and, with a recipe, ``"plan"``: its peak, phase and host figures."""
     import torch
 
     from miles_core.config.resolve import resolve_config, training_errors
@@ -376,7 +379,31 @@ def check_real_configuration(
         lora[name] = {target: sum(1 for w in wrapped if w == target or w.endswith("." + target)) for target in targets}
     if lora_targets is not None:
         assert lora == lora_targets, f"{checkpoint}: LoRA targets {lora}, expected {lora_targets}"
-    return {"parameters": counts, "lora_targets": lora}
+    measured: dict[str, Any] = {"parameters": counts, "lora_targets": lora}
+    if recipe is not None:
+        measured["plan"] = check_recipe_fits(recipe, checkpoint)
+    return measured
+
+
+def check_recipe_fits(recipe: str | Path, checkpoint: str | Path) -> dict[str, Any]:
+    """``recipe`` planned on ``checkpoint``'s configuration for the GPUs its header names
+    (:mod:`miles_core.planning.recipe_target`) fits them; on the checkpoint the header's
+    command names, the header's peak, phase and host figures are the plan's."""
+    from miles_core.planning.plan import gib
+    from miles_core.planning.recipe_target import plan_recipe
+
+    target, plan = plan_recipe(recipe, checkpoint)
+    peak = plan.peak()
+    host = sum(term.nbytes for term in plan.host)
+    figures = {"peak": gib(peak.nbytes), "phase": peak.name, "host": gib(host)}
+    assert plan.fits, (
+        f"{recipe} on {Path(checkpoint).name} does not fit {target.gpus} x {target.gpu} ({target.gpu_gib:g} GiB): "
+        f"peak {figures['peak']} at {peak.name}, largest term {peak.largest().name}"
+    )
+    if Path(checkpoint).name == target.checkpoint:
+        written = {"peak": target.peak, "phase": target.phase, "host": target.host}
+        assert written == figures, f"{recipe}: the header says {written}, miles-core plan gives {figures}"
+    return figures
 
 
 def real_checkpoint_cases(test_file: str | Path, rows: Sequence[tuple[str, str, str | None, dict, dict]]) -> list[Any]:

@@ -257,17 +257,48 @@ def match_family(checkpoint: str | os.PathLike[str], registry: Any) -> Any:
     raise FamilyMatchError(f"--hf-checkpoint {value}: {what} ({_installed(registry, with_classes=pipeline is not None)}); {OVERRIDE}")
 
 
-def default_lora_targets(spec: Any, checkpoint: str | Path) -> tuple[str, ...]:
-    """The default ``--lora-target-modules`` of ``spec``'s family for ``checkpoint``: the
-    targets listed for the pipeline class its ``model_index.json`` names
-    (``lora_target_modules_by_pipeline``), else the family's ``lora_target_modules``."""
-    by_pipeline = dict(spec.lora_target_modules_by_pipeline)
+def _local_index(checkpoint: str | Path) -> dict[str, Any] | None:
+    """``checkpoint``'s ``model_index.json`` when it is a readable local pipeline directory."""
     directory = Path(checkpoint)
-    if by_pipeline and str(checkpoint) and (directory / MODEL_INDEX).is_file():  # "": no checkpoint, not "."
+    if not str(checkpoint) or not (directory / MODEL_INDEX).is_file():  # "": no checkpoint, not "."
+        return None
+    try:
+        return read_model_index(directory)
+    except FamilyMatchError:
+        return None  # the match reports an unreadable index; the family default stands
+
+
+def default_lora_targets(spec: Any, checkpoint: str | Path) -> tuple[str, ...]:
+    """The default ``--lora-target-modules`` of ``spec``'s family for ``checkpoint``: for a
+    local pipeline directory, those its ``lora_target_modules_for`` function computes from
+    the configuration, else those listed for the pipeline class its ``model_index.json``
+    names (``lora_target_modules_by_pipeline``), else the family's ``lora_target_modules``."""
+    index = _local_index(checkpoint)
+    if index is None:
+        return spec.lora_target_modules
+    if spec.lora_target_modules_for is not None:
+        from miles_core.refs import load_ref
+
+        where = f"the {spec.name} family's lora_target_modules_for {spec.lora_target_modules_for}"
         try:
-            pipeline = read_model_index(directory)["_class_name"]
-        except FamilyMatchError:
-            pipeline = None  # the match reports an unreadable index; the family default stands
-        if pipeline in by_pipeline:
-            return by_pipeline[pipeline]
-    return spec.lora_target_modules
+            targets = load_ref(spec.lora_target_modules_for)(Path(checkpoint), index)
+        except MilesError:
+            raise
+        except Exception as exc:  # a plugin's function may fail with anything; name it
+            raise FamilyMatchError(f"--hf-checkpoint {checkpoint}: {where} failed: {type(exc).__name__}: {exc}") from exc
+        if targets is not None:
+            if not (isinstance(targets, tuple) and targets and all(isinstance(t, str) and t for t in targets)):
+                raise FamilyMatchError(f"--hf-checkpoint {checkpoint}: {where} returned {targets!r}; expected None or a tuple of names")
+            return targets
+    return dict(spec.lora_target_modules_by_pipeline).get(index["_class_name"], spec.lora_target_modules)
+
+
+def default_guidance_scale(spec: Any, checkpoint: str | Path) -> float | None:
+    """The family's default ``--diffusion-guidance-scale`` for ``checkpoint``: the one listed
+    for the pipeline class a local directory's ``model_index.json`` names
+    (``default_guidance_scale_by_pipeline``), else ``default_guidance_scale``."""
+    index = _local_index(checkpoint)
+    by_pipeline = dict(spec.default_guidance_scale_by_pipeline)
+    if index is not None and index["_class_name"] in by_pipeline:
+        return float(by_pipeline[index["_class_name"]])
+    return spec.default_guidance_scale

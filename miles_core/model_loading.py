@@ -48,9 +48,12 @@ def family_class(config: Any) -> type[ModelFamily]:
 
 def load_family(config: Any) -> ModelFamily:
     """Load the configuration's model family (see the module docstring); under
+    ``--vae-tiling`` its VAE tiles (:meth:`~miles_core.family.ModelFamily.enable_vae_tiling`); under
     ``--compile`` its trainable components' repeated blocks are compiled
     (:func:`compile_family`)."""
     family = _load_family(config)
+    if config.get("vae_tiling"):
+        family.enable_vae_tiling()
     if config.get("compile"):
         compile_family(family)
     return family

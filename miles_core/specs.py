@@ -90,6 +90,13 @@ class ModelFamilySpec(Spec):
     layers differently (FLUX.1 and FLUX.2): a local ``--hf-checkpoint`` whose
     ``model_index.json`` names one of them gets those targets by default instead of
     :attr:`lora_target_modules` (which a hub id, read before it is downloaded, gets)."""
+    lora_target_modules_for: str | None = None
+    """Lazy reference ``"package.module:function"`` to ``targets(directory, model_index) ->
+    tuple[str, ...] | None``: a local checkpoint's default targets computed from its
+    configuration (block-qualified names whose count depends on the depth: FLUX.2
+    [klein]'s ``single_transformer_blocks.N.attn.to_out``), None to keep the static ones.
+    It is called before :attr:`lora_target_modules_by_pipeline` is read and must read JSON
+    with the standard library only."""
     n_samples_per_prompt: int
     """Recipe group size (GRPO ``n``)."""
     rollout_microgroup_size: int
@@ -103,6 +110,11 @@ class ModelFamilySpec(Spec):
     default_guidance_scale: float | None = None
     """``--diffusion-guidance-scale`` when the flag is unset; None keeps the flag's own
     default, or 1 (no guidance) for a family without :attr:`supports_cfg_training`."""
+    default_guidance_scale_by_pipeline: tuple[tuple[str, float], ...] = ()
+    """``(pipeline class, scale)`` pairs: a local ``--hf-checkpoint`` whose
+    ``model_index.json`` names one of them gets that default instead of
+    :attr:`default_guidance_scale` (FLUX.2 [klein]'s pipeline defaults to 4.0, FLUX.1
+    [dev]'s to 3.5)."""
     sequence_parallel_refusal: str | None = None
     """Why the family's trained components cannot split one sample's tokens over ranks
     (``--sequence-parallel-size`` > 1 is then a configuration error showing it); None
@@ -141,6 +153,27 @@ class ModelFamilySpec(Spec):
         if self.checkpoint_check is not None and not (isinstance(self.checkpoint_check, str) and _REF.match(self.checkpoint_check)):
             raise ValueError(
                 f"ModelFamilySpec {self.name!r}: checkpoint_check {self.checkpoint_check!r} must look like 'package.module:function'"
+            )
+        if self.lora_target_modules_for is not None and not (
+            isinstance(self.lora_target_modules_for, str) and _REF.match(self.lora_target_modules_for)
+        ):
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: lora_target_modules_for {self.lora_target_modules_for!r} must look like "
+                "'package.module:function'"
+            )
+        guidance = self.default_guidance_scale_by_pipeline
+        if not isinstance(guidance, tuple) or not all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and pair[0] in self.pipeline_classes
+            and not isinstance(pair[1], bool)
+            and isinstance(pair[1], (int, float))
+            and 0 <= pair[1] < float("inf")
+            for pair in guidance
+        ):
+            raise ValueError(
+                f"ModelFamilySpec {self.name!r}: default_guidance_scale_by_pipeline must be (pipeline class, finite "
+                f"number >= 0) pairs whose classes are among pipeline_classes {self.pipeline_classes!r}"
             )
         if self.checkpoint_check is not None and not self.pipeline_classes:
             raise ValueError(

@@ -22,6 +22,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "anchor.py": ["--smoke"],
     "prompt_embeddings.py": ["--smoke"],
     "plan_accuracy.py": ["--smoke"],
+    "decode_chunks.py": ["--smoke"],
 }
 """One tiny round of each benchmark: the smallest arguments that still run every phase it measures."""
 

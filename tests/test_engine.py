@@ -289,3 +289,60 @@ def test_a_family_whose_noise_is_a_strided_view_still_recomputes_exactly(engine:
     req = request(guidance_scale=1.0, rollout_sde_step_indices=(0, 1, 2))
     (output,) = engine.generate_sync(req)
     assert torch.equal(recompute_log_probs(engine, output, req), output.rollout_log_probs)
+
+
+# -- the VAE decode in chunks ---------------------------------------------------------------
+
+
+def test_outputs_decode_in_chunks_of_the_decode_batch_size(engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    family = engine.family
+    decode = family.decode
+    calls: list[int] = []
+
+    def counted(latents, params):
+        calls.append(next(iter(latents.values())).shape[0])
+        return decode(latents, params)
+
+    monkeypatch.setattr(family, "decode", counted)
+    outputs = {}
+    for size in (4, 3, 1):
+        monkeypatch.setattr(engine, "decode_batch_size", size)
+        calls.clear()
+        outputs[size] = engine.generate_sync(request(num_outputs_per_prompt=4))
+        assert calls == {4: [4], 3: [3, 1], 1: [1, 1, 1, 1]}[size]
+    worst = 0.0
+    for size in (3, 1):
+        for whole, chunked in zip(outputs[4], outputs[size]):
+            # The denoising is the same computation; only the decode's batch differs.
+            assert torch.equal(whole.dit_trajectory["latents"], chunked.dit_trajectory["latents"])
+            assert whole.generated_output.shape == chunked.generated_output.shape
+            worst = max(worst, max_diff(whole.generated_output, chunked.generated_output))
+    print(f"max |whole-batch decode - chunked decode| = {worst:.3e}")
+    assert worst <= 1e-5
+    # Control: neighbouring outputs differ by far more than the tolerance.
+    assert max_diff(outputs[1][0].generated_output, outputs[1][1].generated_output) > 1e-3
+
+
+def test_the_decode_batch_size_must_be_positive(engine: EmbeddedEngine) -> None:
+    from miles_core.engine.sampler import sample
+
+    with pytest.raises(ValueError, match="decode_batch_size must be at least 1, got 0"):
+        sample(engine.family, request(), engine.backends, decode_batch_size=0)
+
+
+@pytest.mark.exercises("--vae-tiling", "--vae-decode-batch-size")
+def test_the_vae_flags_reach_the_engine_and_a_vae_without_tiling_is_named(tmp_path) -> None:
+    from miles_core.config.resolve import resolve_config
+    from miles_core.errors import ConfigError
+
+    tiny = SD3Family.build_tiny_pipeline(tmp_path / "tiny")
+    args = ["--hf-checkpoint", str(tiny), "--prompt-data", "unused.jsonl", "--rollout-batch-size", "1"]
+    engine = EmbeddedEngine.from_config(resolve_config([*args, "--vae-tiling", "--vae-decode-batch-size", "3"]))
+    assert engine.decode_batch_size == 3 and engine.family.pipeline.vae.use_tiling
+    plain = EmbeddedEngine.from_config(resolve_config(args))
+    assert plain.decode_batch_size == 1 and not plain.family.pipeline.vae.use_tiling
+    family = engine.family
+    # A VAE without diffusers' tiled path (its use_tiling switch) is a one-line configuration error.
+    del family.pipeline.vae.use_tiling
+    with pytest.raises(ConfigError, match=r"^--vae-tiling: the SD3Family family's VAE \(AutoencoderKL\) has no tiled decode"):
+        family.enable_vae_tiling()

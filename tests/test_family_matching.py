@@ -389,6 +389,16 @@ def test_a_broken_check_names_its_family_and_plugin(tiny, neutral: Path, host_wi
             {"pipeline_classes": ("WanPipeline",), "lora_target_modules_by_pipeline": {"WanPipeline": ("q",)}},
             "lora_target_modules_by_pipeline must be (pipeline class, tuple of strings) pairs",
         ),
+        ({"lora_target_modules_for": "targets"}, "lora_target_modules_for 'targets' must look like 'package.module:function'"),
+        ({"default_guidance_scale_by_pipeline": (("WanPipeline", 4.0),)}, "whose classes are among pipeline_classes ()"),
+        (
+            {"pipeline_classes": ("WanPipeline",), "default_guidance_scale_by_pipeline": (("WanPipeline", -1.0),)},
+            "default_guidance_scale_by_pipeline must be (pipeline class, finite number >= 0) pairs",
+        ),
+        (
+            {"pipeline_classes": ("WanPipeline",), "default_guidance_scale_by_pipeline": {"WanPipeline": 4.0}},
+            "default_guidance_scale_by_pipeline must be (pipeline class, finite number >= 0) pairs",
+        ),
     ],
 )
 def test_spec_fields_are_checked(fields: dict[str, Any], error: str) -> None:

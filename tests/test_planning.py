@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,9 @@ from miles_core.memory import audit_memory
 from miles_core.model_loading import family_class
 from miles_core.planning import plan_run
 from miles_core.planning.accuracy import measured_peak, reduced_checkpoint
-from miles_core.planning.measure import Measurements, StepCount, block_runs, count_micro_batch, measure_run, plan_request
+from miles_core.planning.measure import Affine, Measurements, StepCount, block_runs, count_micro_batch, measure_run, plan_request
 from miles_core.planning.meta_pipeline import build_pipeline_from_configs
-from miles_core.planning.plan import GIB, Setting, build_plan, rank_phases
+from miles_core.planning.plan import GIB, Setting, build_plan, rank_phases, rollout_term
 from miles_core.planning.tensor_bytes import LiveBytes, SavedForBackward, fused_attention
 from miles_core.training.run import build_trainer
 
@@ -184,7 +185,7 @@ def test_counts_at_reduced_depth_extrapolate_exactly(tiny_sd3, tmp_path):
     assert [run.length for run in runs] == [1, 5, 1]
     fast = measure_run(config, dtype=torch.float32)
     exact = measure_run(config, dtype=torch.float32, exact_depth=True)
-    assert fast.step == exact.step and fast.sampling_peak == exact.sampling_peak
+    assert fast.step == exact.step and fast.sampling == exact.sampling
     # Control: one block fewer changes what is counted.
     shallower = measure_run(resolve_config(_args(_deeper(tiny_sd3, tmp_path / "shallow", 6))), dtype=torch.float32, checkpointing=(False,))
     assert shallower.step[False].retained < fast.step[False].retained
@@ -211,8 +212,9 @@ def _measurements(**overrides) -> Measurements:
         train_state={"trainable": GIB // 8, "master_copies": GIB // 4, "gradients": GIB // 4, "optimizer_state": GIB // 2},
         step={False: StepCount(30 * GIB, 30 * GIB, 31 * GIB), True: StepCount(GIB, GIB, 2 * GIB)},
         largest_block=GIB // 4,
-        sampling_peak=3 * GIB,
-        decode_peak=2 * GIB,
+        sampling=Affine(GIB, GIB // 4),  # 3 GiB at the microgroup of 8
+        decode={False: Affine(2 * GIB, 0)},
+        n_samples_per_prompt=16,
         trajectory_bytes=10**7,
         samples_per_rollout=16,
         optimizer_peak=GIB // 2,
@@ -221,7 +223,9 @@ def _measurements(**overrides) -> Measurements:
     return Measurements(**values)
 
 
-SETTING = Setting(world=1, sequence_parallel=1, gradient_checkpointing=False, precompute_prompt_embeddings=False, embedded_engine=True)
+SETTING = Setting(
+    world=1, sequence_parallel=1, gradient_checkpointing=False, precompute_prompt_embeddings=False, embedded_engine=True, microgroup=8
+)
 
 
 def _phase(phases, name):
@@ -271,6 +275,31 @@ def test_the_smallest_fix_is_named():
         m, SETTING, capacity=GIB, capacity_source="test", on_host=False, fix_options={"sequence_parallel": True, "precompute": True}
     )
     assert hopeless.fix is None and not hopeless.fits
+
+
+def test_a_rollout_bound_plan_is_fixed_on_the_rollout_side():
+    # Training fits with checkpointing; the sampling forward of 8 outputs (1 + 8 x 4 GiB)
+    # and the decode (2 + 6 GiB per output untiled, 3 GiB tiled) do not.
+    m = _measurements(sampling=Affine(GIB, 4 * GIB), decode={False: Affine(2 * GIB, 6 * GIB), True: Affine(3 * GIB, 0)})
+    setting = replace(SETTING, gradient_checkpointing=True)
+    resident = 8 * GIB + 4 * GIB + GIB // 4 + GIB // 8 + GIB // 4 + GIB // 2
+    rollout = _phase(rank_phases(m, setting), "rollout")
+    assert rollout.nbytes == resident + 33 * GIB and rollout.largest().name == "sampling forward"
+    options = {"sequence_parallel": False, "precompute": False}
+    plan = build_plan(m, setting, capacity=resident + 13 * GIB, capacity_source="test", on_host=False, fix_options=options)
+    # The largest microgroup dividing the 16 samples per prompt whose forward fits: 2
+    # (9 GiB); the untiled decode of one output (8 GiB) fits too.
+    assert plan.fix is not None and plan.fix.flags == ("--rollout-microgroup-size 2",)
+    assert rollout_term(m, replace(setting, microgroup=2)).nbytes == 9 * GIB
+    # Tighter: the decode is then the peak, and only tiling brings it down.
+    tight = build_plan(m, setting, capacity=resident + 7 * GIB, capacity_source="test", on_host=False, fix_options=options)
+    assert tight.fix is not None and tight.fix.flags == ("--rollout-microgroup-size 1", "--vae-tiling")
+    tiled = rollout_term(m, replace(setting, microgroup=1, vae_tiling=True))
+    assert (tiled.name, tiled.nbytes) == ("sampling forward", 5 * GIB)
+    # --vae-decode-batch-size 4: one decode call takes 4 outputs (26 GiB), a microgroup of 2 only 2.
+    chunked = replace(m, decode_batch_size=4)
+    assert rollout_term(chunked, setting).nbytes == 33 * GIB
+    assert rollout_term(chunked, replace(setting, microgroup=2)).nbytes == 14 * GIB
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:

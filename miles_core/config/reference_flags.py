@@ -478,6 +478,32 @@ _TABLE: tuple[Flag, ...] = (
     _f("rollout", "--diffusion-log-prob-no-const", "bool", False, "Drop log-prob constants on the engine (pairs with the CPS backend)."),
     _f(
         "rollout",
+        "--vae-decode-batch-size",
+        "int",
+        1,
+        "Not in the reference. Outputs the embedded engine (and our HTTP server) decodes with the VAE at once; each "
+        "chunk's pixels go to host memory before the next decodes, so the device holds one chunk's decoder activations "
+        "and pixels instead of a whole microgroup's.",
+        range="[1, inf)",
+        metavar="N",
+        reference_default="(no such flag; a whole batch at once)",
+        differs="One output at a time by default: a microgroup of 8 videos of 121 frames at 704x1280 is 10.5 GB of "
+        "fp32 pixels before the decoder's activations; the result differs from a whole-batch decode only by the "
+        "kernels' rounding (docs/benchmarks.md, 'VAE decode in chunks').",
+    ),
+    _f(
+        "rollout",
+        "--vae-tiling",
+        "bool",
+        False,
+        "Not in the reference. Decode (and, for SFT, encode) with the VAE's own spatial tiling (diffusers' enable_tiling: "
+        "overlapping tiles blended at their seams), which bounds the decoder's activations by the tile instead of the "
+        "frame; an error for a VAE without it. The pixels differ slightly at the seams.",
+        reference_default="(no such flag)",
+        differs="Added with the memory planner, which names it when the VAE decode is the peak.",
+    ),
+    _f(
+        "rollout",
         "--diffusion-generator-device",
         "str",
         "auto",

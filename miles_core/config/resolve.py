@@ -24,7 +24,7 @@ from miles_core.config.parser import flag_entries, parse_command_line
 from miles_core.config.sequence_parallel import sequence_parallel_errors
 from miles_core.config.sync_path import run_sync_path
 from miles_core.errors import ComponentLoadError, ConfigError, FamilyMatchError, PathFlagError
-from miles_core.family_match import checkpoint_problem, default_lora_targets, match_family
+from miles_core.family_match import checkpoint_problem, default_guidance_scale, default_lora_targets, match_family
 from miles_core.machine import visible_gpu_count
 from miles_core.plugin_manager import PluginHost, get_host
 from miles_core.refs import resolve_path_flag
@@ -284,7 +284,7 @@ class _Resolver:
             c.set("diffusion_sde_type", spec.default_sde_type if spec else "sde", Source.FAMILY if spec else Source.DERIVED)
         if spec is None:
             return
-        guidance = spec.default_guidance_scale
+        guidance = default_guidance_scale(spec, self.v("hf_checkpoint") or "")
         if guidance is None and not spec.supports_cfg_training:
             guidance = 1.0  # the flag's default samples with CFG, which such a family refuses to train on
         if guidance is not None and not c.is_user_set("diffusion_guidance_scale"):
@@ -298,7 +298,10 @@ class _Resolver:
                     f"(it reads {', '.join(FAMILY_GENERATION_OPTIONS[o] for o in spec.generation_options) or 'none of the family-specific generation flags'})"
                 )
         if self.v("lora_target_modules") is None:
-            c.set("lora_target_modules", list(default_lora_targets(spec, self.v("hf_checkpoint") or "")), Source.FAMILY)
+            try:
+                c.set("lora_target_modules", list(default_lora_targets(spec, self.v("hf_checkpoint") or "")), Source.FAMILY)
+            except FamilyMatchError as exc:
+                self.fail(str(exc))
         if not c.is_user_set("update_weight_target_module"):
             # The family's trainable components (Wan 2.2: both experts), unless the user
             # names the modules to train.

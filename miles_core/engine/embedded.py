@@ -65,8 +65,10 @@ def installed_backends(extra: Mapping[str, type[SdeBackend]] | None = None) -> d
 class EmbeddedEngine(RolloutEngine):
     releases_memory: ClassVar[bool] = True
 
-    def __init__(self, family: ModelFamily, *, backends: Mapping[str, type[SdeBackend]] | None = None) -> None:
+    def __init__(self, family: ModelFamily, *, backends: Mapping[str, type[SdeBackend]] | None = None, decode_batch_size: int = 1) -> None:
         self.family = family
+        self.decode_batch_size = decode_batch_size
+        """Outputs decoded at once (``--vae-decode-batch-size``; :func:`~miles_core.engine.sampler.decode_outputs`)."""
         self.backends = dict(backends) if backends is not None else installed_backends()
         self._lock = threading.Lock()
         self.conditioning_cache = ConditioningCache()
@@ -104,7 +106,7 @@ class EmbeddedEngine(RolloutEngine):
         extra = {}
         if config.sde_step_backend_path:
             extra[config.sde_step_backend_path] = resolve_path_flag("--sde-step-backend-path", config.sde_step_backend_path, "sde_backend")
-        return cls(load_family(config), backends=installed_backends(extra))
+        return cls(load_family(config), backends=installed_backends(extra), decode_batch_size=config.vae_decode_batch_size)
 
     # -- generation ------------------------------------------------------------------
 
@@ -117,7 +119,9 @@ class EmbeddedEngine(RolloutEngine):
         with self._lock:
             self.require_resident("generate")
             try:
-                return sample(self.family, request, self.backends, self.conditioning_cache, cancel=cancel)
+                return sample(
+                    self.family, request, self.backends, self.conditioning_cache, cancel=cancel, decode_batch_size=self.decode_batch_size
+                )
             except GenerationCancelled as exc:
                 log.info("%s", exc)
                 raise

@@ -117,9 +117,13 @@ def sample(
     backends: Mapping[str, type[SdeBackend]],
     cache: ConditioningCache | None = None,
     cancel: threading.Event | None = None,
+    decode_batch_size: int = 1,
 ) -> list[RolloutOutput]:
     """Run one request; return one record per output. Once ``cancel`` is set the
-    denoising loop stops before its next step with :class:`GenerationCancelled`."""
+    denoising loop stops before its next step with :class:`GenerationCancelled`.
+    ``decode_batch_size``: outputs decoded at once (:func:`decode_outputs`)."""
+    if decode_batch_size < 1:
+        raise ValueError(f"decode_batch_size must be at least 1, got {decode_batch_size}")
     start = time.perf_counter()
     if request.rollout_sde_type not in backends:
         raise RequestError("rollout_sde_type", f"{request.rollout_sde_type!r} is not an installed backend ({', '.join(sorted(backends))})")
@@ -154,6 +158,7 @@ def sample(
                 stochastic,
                 deterministic,
                 cancel,
+                decode_batch_size,
             )
     elapsed = time.perf_counter() - start
     peak = _peak_memory_mb(family.device)
@@ -174,6 +179,7 @@ def _denoise(
     stochastic: SdeBackend,
     deterministic: SdeBackend,
     cancel: threading.Event | None = None,
+    decode_batch_size: int = 1,
 ) -> list[RolloutOutput]:
     batch = len(generators)
     sigmas = schedule.sigmas.to(torch.float32).cpu()
@@ -235,17 +241,15 @@ def _denoise(
         latents = next_latents
         if k + 1 in return_steps:
             trajectory[k + 1] = latents
-    final = family.final_latents(latents, cond, params)
-    pixels = family.decode(final, params)
-    extra = family.extra_outputs(final, params)
+    pixels, extra = decode_outputs(family, family.final_latents(latents, cond, params), params, decode_batch_size)
     outputs = []
     for i in range(batch):
         output = RolloutOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             seed=seeds[i],
-            generated_output=pixels[i].float().cpu(),
-            extra_outputs={name: value[i].float().cpu() for name, value in extra.items()},
+            generated_output=pixels[i],
+            extra_outputs=extra[i],
             log_prob_fallbacks=fallbacks,
         )
         if request.rollout:
@@ -273,6 +277,30 @@ def _denoise(
             }
         outputs.append(output)
     return outputs
+
+
+def decode_outputs(
+    family: ModelFamily, final: Latents, params: GenerationParams, batch_size: int
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Each output's pixels and extra outputs, in fp32 on the host, decoded
+    ``batch_size`` outputs at a time (``--vae-decode-batch-size``).
+
+    A chunk's pixels leave the device before the next chunk decodes, so the device holds
+    one chunk's decoder activations and pixels, not a microgroup's: 8 videos of 121
+    frames at 704x1280 are 10.5 GB of fp32 pixels alone. The VAE decodes each output on
+    its own (no layer mixes the batch), so the chunking changes the result only by the
+    kernels' rounding at another batch size (bench/decode_chunks.py measures it)."""
+    batch = next(iter(final.values())).shape[0]
+    pixels: list[torch.Tensor] = []
+    extras: list[dict[str, torch.Tensor]] = []
+    for start in range(0, batch, batch_size):
+        part = {name: value[start : start + batch_size] for name, value in final.items()}
+        decoded = family.decode(part, params).float().cpu()
+        extra = {name: value.float().cpu() for name, value in family.extra_outputs(part, params).items()}
+        del part
+        pixels += list(decoded)
+        extras += [{name: value[i] for name, value in extra.items()} for i in range(decoded.shape[0])]
+    return pixels, extras
 
 
 def generator_device(request: RolloutRequest, family: ModelFamily) -> torch.device:

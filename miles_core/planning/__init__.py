@@ -65,9 +65,11 @@ def planned_dtype(config: Any, *, training: bool) -> Any:
     return torch_dtype(name) if name in ("fp32", "bf16", "fp16") else torch.float32
 
 
-def plan_run(config: Any, *, training: bool = False) -> Any:
+def plan_run(config: Any, *, training: bool = False, configured_first: bool = False) -> Any:
     """The :class:`~miles_core.planning.plan.MemoryPlan` of ``config``'s run. A run the
-    planner cannot build is a one-line :class:`~miles_core.errors.ConfigError`."""
+    planner cannot build is a one-line :class:`~miles_core.errors.ConfigError`.
+    ``training`` (train's check) or ``configured_first``: count the configured gradient
+    checkpointing first, the other setting only when a fix is needed."""
     from miles_core.planning.measure import measure_run
     from miles_core.planning.plan import Setting, build_plan
     from miles_core.plugin_manager import get_host
@@ -80,8 +82,8 @@ def plan_run(config: Any, *, training: bool = False) -> Any:
     # torch steps AdamW over all tensors at once on a GPU, one tensor at a time on a CPU.
     # train's check counts the micro-batch as configured first, and the other setting only
     # when a fix is needed (half the count for a run that fits).
-    first = (bool(config.gradient_checkpointing),) if training else (False, True)
-    measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host, checkpointing=first)
+    first = (bool(config.gradient_checkpointing),) if training or configured_first else (False, True)
+    measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host, checkpointing=first, for_fixes=False)
     spec = get_host().registries.model_family.get(config.model_family).spec
     options = {
         "sequence_parallel": spec.sequence_parallel_refusal is None,
@@ -89,7 +91,9 @@ def plan_run(config: Any, *, training: bool = False) -> Any:
     }
     setting = Setting.from_config(config)
     plan = build_plan(measured, setting, capacity=capacity, capacity_source=source, on_host=on_host, fix_options=options)
-    if not plan.fits and len(first) == 1:
+    if not plan.fits:
+        # A fix may need what was not counted yet: the other checkpointing setting, the
+        # sampling at smaller microgroups, the VAE's tiled decode (slow at video sizes).
         measured = measure_run(config, dtype=dtype, optimizer_foreach=not on_host)
         plan = build_plan(measured, setting, capacity=capacity, capacity_source=source, on_host=on_host, fix_options=options)
     return plan

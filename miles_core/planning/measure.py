@@ -10,7 +10,9 @@ meta tensors, under :mod:`miles_core.planning.tensor_bytes`' counters:
   family's :meth:`~miles_core.family.ModelFamily.plan_conditioning`, the SDE log-prob,
   backward into the master weights) and the optimizer step, with gradient checkpointing
   on and off;
-- one sampling forward of a rollout microgroup (no gradient) and the VAE decode of it.
+- one sampling forward (no gradient) and one VAE decode call, each at one output and at
+  the configured microgroup (decode: ``--vae-decode-batch-size``), affine in between
+  (:class:`Affine`), and the decode again with the VAE's tiling where it has one.
 
 Nothing here reads a weight; :mod:`miles_core.planning.plan` turns the counts into a plan.
 """
@@ -21,7 +23,7 @@ import contextlib
 import functools
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,27 @@ class StepCount:
     optimizer step (gradient buffers, recomputation, the optimizer's temporaries)."""
 
 
+@dataclass(frozen=True)
+class Affine:
+    """Bytes that grow linearly with a count: ``base + per_item x count``, measured at two
+    counts (a no-gradient forward's or a decode's peak is affine in its batch: every
+    transient scales with it, the weights are not counted)."""
+
+    base: int
+    per_item: int
+
+    def at(self, count: int) -> int:
+        return self.base + self.per_item * count
+
+    @classmethod
+    def through(cls, one: int, count: int, at_count: int) -> Affine:
+        """The line through ``(1, one)`` and ``(count, at_count)``."""
+        if count <= 1:
+            return cls(one, 0)
+        per_item = (at_count - one) // (count - 1)
+        return cls(one - per_item, per_item)
+
+
 @dataclass
 class Measurements:
     """Everything the planner counted for one configuration (see the module docstring)."""
@@ -85,10 +108,14 @@ class Measurements:
     (False: off, True: on); empty when the family gives no conditioning shapes."""
     largest_block: int = 0
     """The bytes of the trained denoisers' largest repeated block (FSDP's unit)."""
-    sampling_peak: int = 0
-    """The bytes one sampling forward of a microgroup allocates at its peak (no gradient)."""
-    decode_peak: int = 0
-    """The bytes the VAE decode of a microgroup allocates at its peak, pixels included."""
+    sampling: Affine = field(default_factory=lambda: Affine(0, 0))
+    """The bytes one sampling forward allocates at its peak (no gradient), by microgroup size."""
+    decode: dict[bool, Affine] = field(default_factory=dict)
+    """The bytes one VAE decode call allocates at its peak, pixels included, by the outputs
+    it decodes at once; by ``--vae-tiling`` (True only when the VAE can tile)."""
+    decode_batch_size: int = 1
+    """``--vae-decode-batch-size``: outputs one decode call takes (at most a microgroup)."""
+    n_samples_per_prompt: int = 1
     trajectory_bytes: int = 0
     """Host bytes of one sample as the rollout keeps it (trajectory latents in fp32,
     conditioning, pixels)."""
@@ -263,13 +290,18 @@ def measure_run(
     optimizer_foreach: bool = True,
     exact_depth: bool = False,
     checkpointing: tuple[bool, ...] = (False, True),
+    for_fixes: bool = True,
 ) -> Measurements:
     """Count what ``config``'s run holds (see the module docstring), its modules in
     ``dtype``; ``config.hf_checkpoint`` must be a local diffusers directory. The
     denoisers' counts come from reduced depths (:func:`by_depth`) unless ``exact_depth``;
     ``optimizer_foreach``: count the optimizer step as on a GPU (torch's multi-tensor
     AdamW), else as on a CPU; ``checkpointing``: the gradient-checkpointing settings whose
-    micro-batch is counted (both by default: a fix may turn it on)."""
+    micro-batch is counted (both by default: a fix may turn it on); ``for_fixes``: count
+    what a fix may change too, the sampling forward at one output (else only at the
+    configured microgroup, and the same bytes are assumed at any smaller one: an
+    over-estimate) and the decode with the VAE's tiling (else only with ``--vae-tiling``;
+    slow at video sizes), so a plan that fits as configured skips them."""
     from miles_core.family import pipeline_class_for
     from miles_core.model_loading import family_class
     from miles_core.planning.meta_pipeline import build_pipeline_from_configs
@@ -310,6 +342,8 @@ def measure_run(
         train_state={},
         largest_block=max(largest_block_bytes(family.components()[name]) for name in trained),
         samples_per_rollout=int(config.rollout_batch_size or 1) * int(config.n_samples_per_prompt),
+        decode_batch_size=int(config.vae_decode_batch_size),
+        n_samples_per_prompt=int(config.n_samples_per_prompt),
     )
     try:
         cond = family.plan_conditioning(params)
@@ -319,7 +353,9 @@ def measure_run(
     steps = int(getattr(pipeline.scheduler, "config", {}).get("num_train_timesteps", 1000))
     if cond is not None:
         measured.cfg = cond.negative is not None
-        _measure_rollout(measured, family, params, cond, request, denoisers, steps, exact_depth)
+        _measure_rollout(
+            measured, family, params, cond, request, denoisers, steps, exact_depth, for_fixes or bool(config.vae_tiling), for_fixes
+        )
 
     trainer = build_trainer(config, family)
     if cond is not None and int(config.sequence_parallel_size) > 1:
@@ -357,29 +393,89 @@ def _latents(family: Any, params: Any, size: int) -> dict[str, torch.Tensor]:
     return family.initial_latents(params, generators)
 
 
-def _measure_rollout(
-    measured: Measurements, family: Any, params: Any, cond: Any, request: Any, denoisers: list[str], steps: int, exact: bool
-) -> None:
-    """A microgroup's sampling forward (each denoiser; the largest counts) and decode."""
-    size = measured.microgroup
-    latents = _latents(family, params, size)
-    group = cond.expand(size)
+def decode_frame_counts(family: Any, request: Any, params: Any) -> list[tuple[int, Any]]:
+    """The second and third frame counts above 1 the family accepts, with their
+    parameters, when both are below the configured count (else none: decode as
+    configured)."""
+    from miles_core.errors import RequestError
 
-    def forward(t: torch.Tensor) -> tuple[int]:
+    frames = int(params.num_frames or 1)
+    valid: list[tuple[int, Any]] = []
+    for n in range(2, frames):
+        try:
+            valid.append((n, family.resolve_params(replace(request, num_frames=n))))
+        except RequestError:
+            continue
+        if len(valid) == 3:
+            return valid[1:]
+    return []
+
+
+def _measure_rollout(
+    measured: Measurements,
+    family: Any,
+    params: Any,
+    cond: Any,
+    request: Any,
+    denoisers: list[str],
+    steps: int,
+    exact: bool,
+    tiled_decode: bool,
+    microgroup_line: bool,
+) -> None:
+    """The sampling forward (each denoiser; the largest counts) and the VAE decode, each at
+    one output (the sampling only when ``microgroup_line``) and at the configured
+    microgroup (or decode batch); the decode with the VAE's tiling too when
+    ``tiled_decode``."""
+    size = measured.microgroup
+
+    def forward(latents: dict[str, torch.Tensor], group: Any, t: torch.Tensor) -> tuple[int]:
         with torch.no_grad(), fused_attention(), LiveBytes() as live:
             velocity = family.predict(latents, t, group, params)
             del velocity
         return (live.peak,)
 
-    for name in denoisers:
-        t = torch.full((size,), timestep_for(family, name, params, steps))
-        (peak,) = by_depth(family.components()[name], functools.partial(forward, t), exact=exact)
-        measured.sampling_peak = max(measured.sampling_peak, peak)
-    with torch.no_grad(), fused_attention(), LiveBytes() as live:
-        pixels = family.decode(family.final_latents(latents, group, params), params)
-        del pixels
-    measured.decode_peak = live.peak
-    per_sample = sum(x[:1].numel() * 4 for x in latents.values())  # the trajectory is kept in fp32
+    def sampling_peak(count: int) -> int:
+        latents, group, peak = _latents(family, params, count), cond.expand(count), 0
+        for name in denoisers:
+            t = torch.full((count,), timestep_for(family, name, params, steps))
+            peak = max(peak, by_depth(family.components()[name], functools.partial(forward, latents, group, t), exact=exact)[0])
+        return peak
+
+    def decode_peak(count: int, at: Any) -> int:
+        final = family.final_latents(_latents(family, at, count), family.plan_conditioning(at).expand(count), at)
+        with torch.no_grad(), fused_attention(), LiveBytes() as live:
+            pixels = family.decode(final, at)
+            del pixels
+        return live.peak
+
+    def decode_rule(count: int) -> int:
+        # A video's decode peak is affine in its frames from the second valid frame count
+        # on (the causal decoders' first latent frame is special): measured at the second
+        # and third, extrapolated (docs/design.md, "Planning memory").
+        if len(short) < 2:
+            return decode_peak(count, params)
+        (n_b, at_b), (n_c, at_c) = short
+        p_b, p_c = decode_peak(count, at_b), decode_peak(count, at_c)
+        return p_b + (p_c - p_b) * (int(params.num_frames) - n_b) // (n_c - n_b)
+
+    if microgroup_line:
+        one = sampling_peak(1)
+        measured.sampling = Affine.through(one, size, sampling_peak(size) if size > 1 else one)
+    else:
+        measured.sampling = Affine(sampling_peak(size), 0)
+    short = decode_frame_counts(family, request, params)
+    chunk = min(measured.decode_batch_size, size)
+    vae = getattr(family.pipeline, "vae", None)
+    can_tile = callable(getattr(vae, "enable_tiling", None)) and hasattr(vae, "use_tiling")
+    for tiled in [False, True] if tiled_decode and can_tile else [False]:
+        vae.use_tiling = tiled
+        one = decode_rule(1)
+        measured.decode[tiled] = Affine.through(one, chunk, decode_rule(chunk) if chunk > 1 else one)
+    if can_tile:
+        vae.use_tiling = False
+    latents = _latents(family, params, 1)
+    per_sample = sum(x.numel() * 4 for x in latents.values())  # the trajectory is kept in fp32
     cond_bytes = storage_bytes([*cond.positive.values(), *(cond.negative or {}).values()])
     pixel_bytes = 3 * (params.num_frames or 1) * params.height * params.width * 4
     measured.trajectory_bytes = len(request.return_steps()) * per_sample + cond_bytes + pixel_bytes
@@ -467,8 +563,10 @@ def _train_state(trainer: Any, config: Any, gradients: int) -> dict[str, int]:
 
 
 __all__ = [
+    "Affine",
     "BlockRun",
     "count_micro_batch",
+    "decode_frame_counts",
     "Component",
     "Measurements",
     "StepCount",

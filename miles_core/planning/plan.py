@@ -24,6 +24,7 @@ the start. A rollout's samples are held on the host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -66,6 +67,9 @@ class Setting:
     gradient_checkpointing: bool
     precompute_prompt_embeddings: bool
     embedded_engine: bool
+    microgroup: int = 1
+    """Outputs an engine samples at once (``--rollout-microgroup-size``)."""
+    vae_tiling: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> Setting:
@@ -75,6 +79,8 @@ class Setting:
             gradient_checkpointing=bool(config.gradient_checkpointing),
             precompute_prompt_embeddings=bool(config.precompute_prompt_embeddings),
             embedded_engine=config.rollout_engine == "embedded",
+            microgroup=int(config.rollout_microgroup_size),
+            vae_tiling=bool(config.vae_tiling),
         )
 
     def flags(self, base: Setting) -> list[str]:
@@ -89,6 +95,10 @@ class Setting:
             out.append(f"--actor-num-nodes {nodes} --actor-num-gpus-per-node {per_node} ({self.world} training GPUs)")
         if self.sequence_parallel != base.sequence_parallel:
             out.append(f"--sequence-parallel-size {self.sequence_parallel}")
+        if self.microgroup != base.microgroup:
+            out.append(f"--rollout-microgroup-size {self.microgroup}")
+        if self.vae_tiling and not base.vae_tiling:
+            out.append("--vae-tiling")
         return out
 
 
@@ -205,12 +215,8 @@ def rank_phases(m: Measurements, s: Setting) -> list[Phase]:
         if nbytes and name != "gradients"
     ]
     phases = [Phase("load", tuple(whole))]
-    if s.embedded_engine and (m.sampling_peak or m.decode_peak):
-        sampling = (
-            Term("sampling forward", m.sampling_peak, f"microgroup {m.microgroup}")
-            if m.sampling_peak >= m.decode_peak
-            else Term("VAE decode", m.decode_peak, f"microgroup {m.microgroup}, pixels included")
-        )
+    sampling = rollout_term(m, s)
+    if s.embedded_engine and sampling.nbytes:
         phases.append(Phase("rollout", (*resident, *state, sampling)))
     train = [*resident, *state]
     grads = _shard(m.train_state.get("gradients", 0), s.world)
@@ -237,12 +243,22 @@ def rank_phases(m: Measurements, s: Setting) -> list[Phase]:
     return phases
 
 
-def engine_phases(m: Measurements) -> list[Phase]:
+def rollout_term(m: Measurements, s: Setting) -> Term:
+    """The larger of a microgroup's sampling forward and one VAE decode call at ``s``."""
+    sampling = m.sampling.at(s.microgroup)
+    decode = m.decode.get(s.vae_tiling) or m.decode.get(False)
+    chunk = min(m.decode_batch_size, s.microgroup)
+    decoded = decode.at(chunk) if decode is not None else 0
+    if sampling >= decoded:
+        return Term("sampling forward", sampling, f"microgroup {s.microgroup}")
+    tiled = ", tiled" if s.vae_tiling and True in m.decode else ""
+    return Term("VAE decode", decoded, f"{chunk} output{'s' if chunk > 1 else ''} at once{tiled}, pixels included")
+
+
+def engine_phases(m: Measurements, s: Setting) -> list[Phase]:
     """A separate engine's phases: its whole pipeline, then a microgroup's sampling or decode."""
     weights = tuple(Term(f"{c.name} weights", c.nbytes, f"{c.dtype}, whole") for c in m.components)
-    peak = max(m.sampling_peak, m.decode_peak)
-    what = "sampling forward" if m.sampling_peak >= m.decode_peak else "VAE decode"
-    return [Phase("load", weights), Phase("rollout", (*weights, Term(what, peak, f"microgroup {m.microgroup}")))]
+    return [Phase("load", weights), Phase("rollout", (*weights, rollout_term(m, s)))]
 
 
 def host_terms(m: Measurements) -> list[Term]:
@@ -264,7 +280,11 @@ def build_plan(
     :func:`candidate_settings` that makes it fit is its :attr:`MemoryPlan.fix`."""
     plan = _plan(m, s, capacity, capacity_source, on_host)
     if not plan.fits:
-        for candidate in candidate_settings(s, **fix_options):
+        rollout = {
+            "microgroups": [d for d in range(s.microgroup - 1, 0, -1) if m.n_samples_per_prompt % d == 0],
+            "tiling": True in m.decode,
+        }
+        for candidate in candidate_settings(s, **rollout, **fix_options):
             trial = _plan(m, candidate, capacity, capacity_source, on_host)
             if trial.fits:
                 peak = trial.peak()
@@ -282,37 +302,58 @@ def _plan(m: Measurements, s: Setting, capacity: int, source: str, on_host: bool
         capacity=capacity,
         capacity_source=source,
         rank=rank_phases(m, s),
-        engine=None if s.embedded_engine else engine_phases(m),
+        engine=None if s.embedded_engine else engine_phases(m, s),
         host=host_terms(m),
         on_host=on_host,
     )
 
 
-def candidate_settings(s: Setting, *, sequence_parallel: bool, precompute: bool, max_world: int = 64) -> list[Setting]:
-    """The changes a fix may make, in the order they are tried (the least disruptive first):
-    gradient checkpointing, precomputed prompt embeddings, both, then more training GPUs
-    (doubling, with gradient checkpointing too), then sequence parallelism over the ranks."""
-    out: list[Setting] = []
-    gc = replace(s, gradient_checkpointing=True)
-    if not s.gradient_checkpointing:
-        out.append(gc)
-    if precompute and not s.precompute_prompt_embeddings:
-        out.append(replace(s, precompute_prompt_embeddings=True))
-        out.append(replace(gc, precompute_prompt_embeddings=True))
+def candidate_settings(
+    s: Setting,
+    *,
+    sequence_parallel: bool,
+    precompute: bool,
+    max_world: int = 64,
+    microgroups: Sequence[int] = (),
+    tiling: bool = False,
+) -> list[Setting]:
+    """The changes a fix may make, in the order they are tried (the least disruptive
+    first): at the configured GPUs, then more training GPUs (doubling), then sequence
+    parallelism over the ranks; at each, the training side (gradient checkpointing,
+    precomputed prompt embeddings, both) and within that the rollout side (the VAE's
+    tiling, then smaller ``microgroups``, largest first, each also tiled)."""
+    rollout = [(s.microgroup, s.vae_tiling)]
+    if tiling:
+        rollout.append((s.microgroup, True))
+    for size in microgroups:
+        rollout += [(size, s.vae_tiling)] + ([(size, True)] if tiling else [])
+    train = [(s.gradient_checkpointing, s.precompute_prompt_embeddings), (True, s.precompute_prompt_embeddings)]
+    if precompute:
+        train += [(s.gradient_checkpointing, True), (True, True)]
+    layouts = [(s.world, s.sequence_parallel)]
     world = s.world * 2
     while world <= max_world:
-        out.append(replace(s, world=world))
-        out.append(replace(gc, world=world))
+        layouts.append((world, s.sequence_parallel))
         world *= 2
     if sequence_parallel:
-        for degree in (2, 4, 8):
-            if degree > s.sequence_parallel:
-                world = max(s.world, degree)
-                out.append(replace(gc, world=world, sequence_parallel=degree))
+        layouts += [(max(s.world, degree), degree) for degree in (2, 4, 8) if degree > s.sequence_parallel]
     unique: list[Setting] = []
-    for candidate in out:
-        if candidate != s and candidate not in unique:
-            unique.append(candidate)
+    for world, degree in layouts:
+        # Sequence parallelism is only tried with gradient checkpointing (it splits tokens,
+        # a step without checkpointing keeps every layer's).
+        for gc, pre in train if degree == s.sequence_parallel else [(True, p) for _, p in train]:
+            for microgroup, tiled in rollout:
+                candidate = replace(
+                    s,
+                    world=world,
+                    sequence_parallel=degree,
+                    gradient_checkpointing=gc,
+                    precompute_prompt_embeddings=pre,
+                    microgroup=microgroup,
+                    vae_tiling=tiled,
+                )
+                if candidate != s and candidate not in unique:
+                    unique.append(candidate)
     return unique
 
 
@@ -365,7 +406,8 @@ def render(plan: MemoryPlan) -> str:
             lines.append(f"fix: {' '.join(plan.fix.flags)} -> peak {gib(plan.fix.peak)} at {plan.fix.phase}")
         else:
             lines.append(
-                "fix: no change the planner tries (gradient checkpointing, precomputed prompts, up to 64 GPUs, sequence parallelism) fits"
+                "fix: no change the planner tries (gradient checkpointing, precomputed prompts, smaller microgroups, VAE "
+                "tiling, up to 64 GPUs, sequence parallelism) fits"
             )
     for note in [*m.notes, *plan.notes]:
         lines.append(f"note: {note}")
@@ -386,4 +428,5 @@ __all__ = [
     "host_terms",
     "rank_phases",
     "render",
+    "rollout_term",
 ]

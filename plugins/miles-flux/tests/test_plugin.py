@@ -22,6 +22,7 @@ from miles_flux import plugin
 from miles_flux.checkpoint import FLUX1, FLUX2, KLEIN, FluxCheckpoint, read_checkpoint
 from miles_flux.config_rules import cfg_parallel_argument
 from miles_flux.family import FluxFamily
+from miles_flux.plugin import KLEIN_GUIDANCE_SCALE
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "flux.yaml"
 
@@ -60,6 +61,7 @@ def write_checkpoint(
     guidance_embeds: bool | None = None,
     is_distilled: bool | None = None,
     vae_blocks: int = 4,
+    single_layers: object = 2,
 ) -> Path:
     """The JSON of a FLUX checkpoint, as the released ones lay it out (defaults: the
     released model's guidance; a VAE of ``vae_blocks`` blocks, 2 ** (blocks - 1) x)."""
@@ -71,8 +73,11 @@ def write_checkpoint(
     (directory / "model_index.json").write_text(json.dumps(index), encoding="utf-8")
     if guidance_embeds is None:
         guidance_embeds = pipeline != KLEIN
+    transformer = {"_class_name": COMPONENTS[pipeline]["transformer"][1], "guidance_embeds": guidance_embeds}
+    if pipeline == KLEIN:
+        transformer["num_single_layers"] = single_layers
     for sub, config in (
-        ("transformer", {"_class_name": COMPONENTS[pipeline]["transformer"][1], "guidance_embeds": guidance_embeds}),
+        ("transformer", transformer),
         ("vae", {"_class_name": COMPONENTS[pipeline]["vae"][1], "block_out_channels": [128, 256, 512, 512][:vae_blocks]}),
     ):
         (directory / sub).mkdir()
@@ -134,6 +139,8 @@ def test_spec_values(host: PluginHost) -> None:
     # flow_grpo's FLUX group of 24, in microgroups of 8 (recipes/flux.yaml says why).
     assert (spec.n_samples_per_prompt, spec.rollout_microgroup_size) == (24, 8)
     assert spec.default_guidance_scale == 3.5  # FluxPipeline.__call__'s default and flow_grpo's
+    assert spec.default_guidance_scale_by_pipeline == (("Flux2KleinPipeline", 4.0),)  # Flux2KleinPipeline.__call__'s
+    assert spec.lora_target_modules_for == "miles_flux.plugin:klein_lora_targets"
     assert spec.generation_options == ("true_cfg_scale",)
     assert spec.supports_cfg_training
 
@@ -283,10 +290,30 @@ def test_default_lora_targets_follow_the_pipeline_class(checkpoints: dict[str, P
     # FLUX.1's twelve for a FLUX.1 directory and for a hub id (read before it is downloaded) ...
     assert targets("--hf-checkpoint", str(checkpoints["dev"])) == list(plugin.LORA_TARGET_MODULES)
     assert targets("--hf-checkpoint", "black-forest-labs/FLUX.1-dev") == list(plugin.LORA_TARGET_MODULES)
-    # ... FLUX.2's names for a klein directory (base or distilled) ...
-    assert targets("--hf-checkpoint", str(checkpoints["klein-base"])) == list(plugin.KLEIN_LORA_TARGET_MODULES)
+    # ... FLUX.2's names for a klein directory (base or distilled), with each single-stream
+    # block's attention output by its block-qualified name, as many as the configuration's ...
+    blocks = ["single_transformer_blocks.0.attn.to_out", "single_transformer_blocks.1.attn.to_out"]
+    assert targets("--hf-checkpoint", str(checkpoints["klein-base"])) == [*plugin.KLEIN_LORA_TARGET_MODULES, *blocks]
     # ... and what the user sets wins.
     assert targets("--hf-checkpoint", str(checkpoints["klein"]), "--lora-target-modules", "attn.to_q") == ["attn.to_q"]
+
+
+def test_a_klein_configuration_without_a_block_count_is_named(tmp_path: Path) -> None:
+    bad = write_checkpoint(tmp_path / "klein", KLEIN, is_distilled=True, single_layers="twenty")
+    with pytest.raises(
+        ConfigError,
+        match=r"lora_target_modules_for miles_flux.plugin:klein_lora_targets failed: ValueError: "
+        r"transformer/config.json: num_single_layers 'twenty' is not a count of blocks",
+    ):
+        resolve_config(["--rollout-batch-size", "1", "--hf-checkpoint", str(bad)])
+    # Without the key (an older export): the suffixes alone.
+    partial = write_checkpoint(tmp_path / "klein-partial", KLEIN, is_distilled=True, single_layers=None)
+    config = json.loads((partial / "transformer" / "config.json").read_text())
+    del config["num_single_layers"]
+    (partial / "transformer" / "config.json").write_text(json.dumps(config))
+    assert resolve_config(["--rollout-batch-size", "1", "--hf-checkpoint", str(partial)]).lora_target_modules == list(
+        plugin.KLEIN_LORA_TARGET_MODULES
+    )
 
 
 @pytest.mark.exercises("--diffusion-true-cfg-scale")
@@ -314,9 +341,13 @@ def test_a_guidance_scale_the_pipeline_ignores_is_refused(checkpoints: dict[str,
         "false, as in FLUX.1 [schnell]) and the pipeline ignores the scale; leave it unset or at most 1 "
         "(--diffusion-true-cfg-scale > 1 samples with true CFG)"
     ]
-    # Unset (the family's 3.5 fills it) or at most 1 is what the step-distilled model does anyway.
+    # Unset (Flux2KleinPipeline's own 4.0 fills it, which the step-distilled model ignores) or
+    # at most 1 is what the step-distilled model does anyway.
     config = resolve_config(["--hf-checkpoint", klein, "--rollout-batch-size", "1"])
-    assert config.diffusion_guidance_scale == 3.5 and not config.is_user_set("diffusion_guidance_scale")
+    assert config.diffusion_guidance_scale == KLEIN_GUIDANCE_SCALE == 4.0 and not config.is_user_set("diffusion_guidance_scale")
+    # The klein base samples with real CFG at that default; FLUX.1 [dev] keeps FluxPipeline's 3.5.
+    for name, default in (("klein-base", 4.0), ("dev", 3.5)):
+        assert resolve_config(["--hf-checkpoint", str(checkpoints[name]), "--rollout-batch-size", "1"]).diffusion_guidance_scale == default
     assert (
         resolve_config(["--hf-checkpoint", klein, "--rollout-batch-size", "1", "--diffusion-guidance-scale", "1"]).diffusion_guidance_scale
         == 1.0

@@ -7,6 +7,25 @@ import pytest
 
 from miles_core import family_checks
 
+KLEIN_TARGETS = {
+    "attn.to_q": 5,
+    "attn.to_k": 5,
+    "attn.to_v": 5,
+    "attn.to_out.0": 5,
+    "attn.add_q_proj": 5,
+    "attn.add_k_proj": 5,
+    "attn.add_v_proj": 5,
+    "attn.to_add_out": 5,
+    "ff.linear_in": 5,
+    "ff.linear_out": 5,
+    "ff_context.linear_in": 5,
+    "ff_context.linear_out": 5,
+    "attn.to_qkv_mlp_proj": 20,
+    # each single-stream block's attention output, by block-qualified name
+    **{f"single_transformer_blocks.{i}.attn.to_out": 1 for i in range(20)},
+}
+"""FLUX.2 [klein] 4B's default LoRA targets and the modules each names."""
+
 CASES = family_checks.real_checkpoint_cases(
     __file__,
     [
@@ -32,28 +51,11 @@ CASES = family_checks.real_checkpoint_cases(
                 }
             },
         ),
-        (
-            "FLUX.2-klein-4B",
-            "flux",
-            None,
-            {"transformer": 3875544576},
-            {
-                "transformer": {
-                    "attn.to_q": 5,
-                    "attn.to_k": 5,
-                    "attn.to_v": 5,
-                    "attn.to_out.0": 5,
-                    "attn.add_q_proj": 5,
-                    "attn.add_k_proj": 5,
-                    "attn.add_v_proj": 5,
-                    "attn.to_add_out": 5,
-                    "ff.linear_in": 5,
-                    "ff.linear_out": 5,
-                    "ff_context.linear_in": 5,
-                    "ff_context.linear_out": 5,
-                    "attn.to_qkv_mlp_proj": 20,
-                }
-            },
+        *(
+            (name, "flux", recipe, {"transformer": 3875544576}, {"transformer": KLEIN_TARGETS})
+            # The klein recipe is planned on the base it is written for; the step-distilled
+            # release has the same tree.
+            for name, recipe in (("FLUX.2-klein-4B", None), ("FLUX.2-klein-base-4B", "flux2_klein.yaml"))
         ),
     ],
 )

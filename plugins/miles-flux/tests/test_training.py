@@ -142,6 +142,13 @@ def test_klein_run_generate_and_training_reaches_every_target(klein_dir: Path, t
     reaches the transformer and every LoRA target."""
     records = family_checks.run_training(_args(klein_dir, tmp_path / "run", "--num-rollout", "1"))
     assert len(records) == 1 and math.isfinite(records[0]["train/loss"])
+    # The default targets reach each single-stream block's attention output by its
+    # block-qualified name (the tiny klein has two such blocks), in the saved LoRA too.
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"), "pt") as saved:
+        outputs = {key.split(".attn.")[0] for key in saved.keys() if ".attn.to_out.lora_" in key and "single_transformer_blocks" in key}
+    assert outputs == {"transformer.single_transformer_blocks.0", "transformer.single_transformer_blocks.1"}, outputs
     files = family_checks.check_generate_writes(
         klein_dir,
         tmp_path / "gen",

@@ -7,6 +7,8 @@ stays cheap.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from miles_core.api import ModelFamilySpec, hookimpl
@@ -49,18 +51,44 @@ KLEIN_LORA_TARGET_MODULES: tuple[str, ...] = (
     "ff.linear_out",
     "ff_context.linear_in",
     "ff_context.linear_out",
-    # ... and the single-stream blocks' fused QKV + MLP input projection. Their output
-    # projection (single_transformer_blocks.N.attn.to_out) has no suffix of its own: the
-    # double blocks' attn.to_out is a ModuleList, which PEFT cannot wrap.
+    # ... and the single-stream blocks' fused QKV + MLP input projection (their output
+    # projection is added by block: klein_lora_targets).
     "attn.to_qkv_mlp_proj",
 )
-"""FLUX.2 [klein]'s default LoRA targets: the same roles as FLUX.1's (attention and MLPs
-of every double block) under FLUX.2's layer names, plus the single blocks' fused input
-projection. No published RL recipe names them (our choice)."""
+"""FLUX.2 [klein]'s default LoRA targets by suffix: the same roles as FLUX.1's (attention
+and MLPs of every double block) under FLUX.2's layer names, plus the single blocks' fused
+input projection. No published RL recipe names them (our choice)."""
+
+SINGLE_BLOCK_OUTPUT = "single_transformer_blocks.{index}.attn.to_out"
+"""A single-stream block's attention output projection, by block: the suffix
+``attn.to_out`` alone would also name the double blocks' ``attn.to_out``, a ModuleList
+(projection and dropout) that PEFT cannot wrap."""
 
 DEFAULT_GUIDANCE_SCALE = 3.5
 """``FluxPipeline.__call__``'s default guidance (the embedded value FLUX.1 [dev] was
 distilled around), and flow_grpo's FLUX sampling guidance."""
+
+KLEIN_GUIDANCE_SCALE = 4.0
+"""``Flux2KleinPipeline.__call__``'s default ``guidance_scale`` (diffusers 0.42, as in
+Black Forest Labs' model card examples): real CFG on the undistilled [klein] base; the
+step-distilled release ignores it."""
+
+
+def klein_lora_targets(directory: Path, model_index: dict[str, Any]) -> tuple[str, ...] | None:
+    """A local FLUX.2 [klein] directory's default LoRA targets (``lora_target_modules_for``):
+    :data:`KLEIN_LORA_TARGET_MODULES` plus each single-stream block's attention output by
+    block-qualified name, as many as ``transformer/config.json``'s ``num_single_layers``;
+    None for the other pipelines, or a configuration that does not give the depth (the
+    static defaults)."""
+    path = Path(directory) / "transformer" / "config.json"
+    if model_index.get("_class_name") != KLEIN or not path.is_file():
+        return None
+    count = json.loads(path.read_text(encoding="utf-8")).get("num_single_layers")
+    if count is None:
+        return None  # a configuration without the depth: the suffixes alone
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"transformer/config.json: num_single_layers {count!r} is not a count of blocks")
+    return (*KLEIN_LORA_TARGET_MODULES, *(SINGLE_BLOCK_OUTPUT.format(index=i) for i in range(count)))
 
 
 @hookimpl
@@ -76,9 +104,11 @@ def miles_register_model_families() -> list[ModelFamilySpec]:
             trainable_components=("transformer",),
             lora_target_modules=LORA_TARGET_MODULES,
             lora_target_modules_by_pipeline=((KLEIN, KLEIN_LORA_TARGET_MODULES),),
+            lora_target_modules_for="miles_flux.plugin:klein_lora_targets",
             n_samples_per_prompt=24,
             rollout_microgroup_size=8,
             default_guidance_scale=DEFAULT_GUIDANCE_SCALE,
+            default_guidance_scale_by_pipeline=((KLEIN, KLEIN_GUIDANCE_SCALE),),
             generation_options=("true_cfg_scale",),
         )
     ]
@@ -97,4 +127,12 @@ def miles_validate_config(config: Any) -> list[str]:
     return config_errors(config, checkpoint)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "FAMILY_NAME", "KLEIN_LORA_TARGET_MODULES", "LORA_TARGET_MODULES"]
+__all__ = [
+    "DEFAULT_GUIDANCE_SCALE",
+    "FAMILY_NAME",
+    "KLEIN_GUIDANCE_SCALE",
+    "KLEIN_LORA_TARGET_MODULES",
+    "LORA_TARGET_MODULES",
+    "SINGLE_BLOCK_OUTPUT",
+    "klein_lora_targets",
+]
