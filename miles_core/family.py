@@ -152,7 +152,16 @@ class ModelFamily(abc.ABC):
         self.pipeline = pipeline
         self.device = torch.device(device)
         self.dtype = dtype or torch.float32
-        pipeline.to(self.device)
+        modules = {name: c for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
+        deferred = {name for name, module in modules.items() if any(p.is_meta for p in module.parameters())}
+        if deferred:
+            # A sharded trainer's rank builds the components it trains on the meta device and
+            # materialises only its shard later (miles_core.training.rank_loading).
+            for name, module in modules.items():
+                if name not in deferred:
+                    module.to(self.device)
+        else:
+            pipeline.to(self.device)
         from miles_core.memory import own_storages
 
         # Weights memory-mapped from safetensors files get storages of their own, so that

@@ -51,7 +51,11 @@ def load_family(config: Any) -> ModelFamily:
     ``--vae-tiling`` its VAE tiles (:meth:`~miles_core.family.ModelFamily.enable_vae_tiling`); under
     ``--compile`` its trainable components' repeated blocks are compiled
     (:func:`compile_family`)."""
-    family = _load_family(config)
+    return finish_family(config, _load_family(config))
+
+
+def finish_family(config: Any, family: ModelFamily) -> ModelFamily:
+    """What the configuration asks of a loaded family: ``--vae-tiling``, ``--compile``."""
     if config.get("vae_tiling"):
         family.enable_vae_tiling()
     if config.get("compile"):

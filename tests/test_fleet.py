@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import miles_core.training.weight_sync as weight_sync
-from miles_core.engine.fleet import EngineFleet
+from miles_core.engine.fleet import EngineFleet, ServedEngine
 from miles_core.errors import FleetError
 from tests.test_server import http
 from tests.tiny_runs import run_metrics, tiny_run_args
@@ -128,6 +130,19 @@ def test_an_engine_that_fails_to_start_names_its_log(tmp_path):
     # Whichever of the two exits first is named (both fail the same way).
     assert "\n" not in message and re.search(r"engine_[01]\.log", message) and "before it was healthy" in message
     assert str(tmp_path / "logs") in message
+
+
+def test_a_banner_another_thread_wrote_into_is_not_taken_for_a_url(tmp_path):
+    # A failing load's error printed into the banner line (two threads on one stderr) once
+    # made "failed" the URL: only a whole "serving ... on http://HOST:PORT" line counts.
+    log = tmp_path / "engine.log"
+    log.write_text("serving sd3 /x on miles-core serve-engine: error: loading /x as sd3 failed\n")
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    engine = ServedEngine(process, log)
+    assert not engine.poll_banner() and engine.url is None
+    log.write_text(log.read_text() + "serving sd3 /x on http://127.0.0.1:8123\n")
+    assert engine.poll_banner() and engine.url == "http://127.0.0.1:8123"
+    process.wait()
 
 
 def test_an_engine_that_is_not_healthy_in_time_names_its_log(tiny_sd3, tmp_path):

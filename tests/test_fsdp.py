@@ -63,6 +63,8 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "checkpoint": (*LORA, "--use-ema", "--ema-rollout-policy", "ema"),
     "sft": ("--loss-type", "sft_loss", "--use-lora", "--lora-rank", "4"),
     "sharded": ("--num-steps-per-rollout", "2", "--lr", "1e-4", "--use-ema", "--ema-rollout-policy", "ema"),
+    "deferred": LORA,
+    "deferred_full": ("--num-steps-per-rollout", "2", "--lr", "1e-4"),
 }
 """Two-rank scenario -> its flags (besides BASE and TWO)."""
 
@@ -76,6 +78,16 @@ advantage moves the weights by 2e-3, an untrained LoRA is 2e-3 away."""
 
 def make_config(checkpoint: Any, *extra: str) -> Any:
     return resolve_config(["--hf-checkpoint", str(checkpoint), *BASE, *extra])
+
+
+def transformer_audit(trainer: Any) -> dict[str, Any]:
+    """This process's bytes of the trained transformer's parameters (local shards when
+    sharded) and of every other pipeline module, by device (the memory audit)."""
+    from miles_core.memory import audit_memory
+
+    transformer = trainer.modules["transformer"]
+    others = [m for n, m in trainer.family.pipeline.components.items() if isinstance(m, torch.nn.Module) and n != "transformer"]
+    return audit_memory(parameters=list(transformer.parameters()), engine_modules=others).as_dict()
 
 
 def make_trainer(checkpoint: Any, config: Any, dp_rank: int = 0) -> Any:
@@ -157,8 +169,10 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
         samples, advantages = rollout
     else:
         samples, advantages = removing(rollout, POLICY_ROLLOUT)
-    trainer = make_trainer(checkpoint, config, dp_rank=rank)
     result: dict[str, Any] = {}
+    if name.startswith("deferred"):
+        return _deferred_scenario(rank, config, samples, advantages, result)
+    trainer = make_trainer(checkpoint, config, dp_rank=rank)
     module = trainer.modules["transformer"]
     policy = module._get_fsdp_state()._mp_policy
     result["mp_policy"] = (policy.param_dtype, policy.reduce_dtype)
@@ -189,6 +203,8 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
         return result
     if name == "sharded":
         return _sharded_scenario(rank, trainer, samples, advantages, out / "sharded", result)
+    if name in ("lora", "full"):
+        result["audit"] = transformer_audit(trainer)
     if name == "checkpoint":
         fsdp.restore_rank_rng(None, rank=rank, world_size=2, seed=config.seed)  # each rank its own stream
         result["metrics"] = [trainer.train_rollout(samples, advantages)]
@@ -225,6 +241,38 @@ def _scenario(name: str, rank: int, checkpoint: Path, rollout: tuple[list, torch
             for key, value in entry.items()
             if fsdp.is_sharded(value)
         }
+    return result
+
+
+def _deferred_scenario(rank: int, config: Any, samples: list, advantages: torch.Tensor, result: dict[str, Any]) -> dict[str, Any]:
+    """The ranks load only their share (miles_core.training.rank_loading), then train as
+    the whole-load scenario of the same flags."""
+    from miles_core.plugin_manager import get_host
+    from miles_core.training.rank_loading import load_rank_family, named_tensors
+    from miles_core.training.trainer import Trainer
+
+    host = get_host()
+    torch.manual_seed(rank)  # as make_trainer: rank 0's LoRA draw must be the one every rank starts from
+    loaded = load_rank_family(config, rank)
+    transformer = loaded.family.components()["transformer"]
+    result["loaded"] = {
+        "whole": loaded.whole,
+        "meta": all(t.is_meta for _, t in named_tensors(transformer)),
+        "sources": sorted(loaded.sources),
+        "source_bytes": {n: sum(t.nbytes for _, t in named_tensors(m)) for n, m in loaded.sources.items()},
+    }
+    trainer = Trainer(
+        loaded.family,
+        config,
+        host.registries.sde_backend.get(config.diffusion_sde_type).load(),
+        host.registries.loss.get(config.loss_type).load(),
+        dp_rank=rank,
+        sources=loaded.sources,
+    )
+    result["sources_left"] = len(loaded.sources)
+    result["audit"] = transformer_audit(trainer)
+    result["metrics"] = [trainer.train_rollout(samples, advantages)]
+    result["final"] = full_state(trainer)
     return result
 
 
@@ -826,3 +874,55 @@ def test_the_cpu_backend_serves_the_cpu_tensors_of_an_nccl_group(monkeypatch):
     policy = fsdp.offload_policy(resolve_config([*SD35, *RAY_TWO, "--fsdp-cpu-offload"]))
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory == torch.cuda.is_available()
     assert not isinstance(fsdp.offload_policy(resolve_config([*SD35, *RAY_TWO])), CPUOffloadPolicy)
+
+
+# -- each rank loads only its share ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("deferred", "whole"), [("deferred", "lora"), ("deferred_full", "full")])
+def test_ranks_that_load_only_their_share_train_as_a_whole_load(two_ranks, one_rank, tiny_sd3, deferred, whole):
+    check_ranks_ran(two_ranks[deferred])
+    ranks = two_ranks[deferred]
+    # Before the trainer: every rank's transformer is built on the meta device, no data;
+    # rank 0 alone holds the weights, on the host, and the trainer consumed them.
+    assert [r["loaded"]["whole"] for r in ranks] == [None, None]
+    assert [r["loaded"]["meta"] for r in ranks] == [True, True]
+    assert [r["loaded"]["sources"] for r in ranks] == [["transformer"], []]
+    assert [r["sources_left"] for r in ranks] == [0, 0]
+    # The same training as the whole load on two ranks, bit for bit (the same starting
+    # weights, LoRA included, and the same shards) ...
+    for ours, theirs in zip(ranks, two_ranks[whole]):
+        assert max_difference(ours["final"], theirs["final"]) == 0.0
+        assert metric_mismatches(ours["metrics"][0], theirs["metrics"][0], rel=0, abs=0) == []
+    # ... and as one process, to the ranks' rounding.
+    extra = LORA if whole == "lora" else SCENARIOS["full"]
+    assert max_difference(ranks[0]["final"], one_rank(whole, *extra)["final"]) <= ATOL
+    # The memory audit: each rank holds half the transformer's parameter bytes (to the
+    # shards' padding), the whole load's ranks as much once sharded, one process all of it.
+    one = make_trainer(tiny_sd3, make_config(tiny_sd3, *extra))
+    whole_bytes = transformer_audit(one)["parameters"]["cpu"]
+    for ours, theirs in zip(ranks, two_ranks[whole]):
+        local = ours["audit"]["parameters"]["cpu"]
+        assert local == theirs["audit"]["parameters"]["cpu"]
+        assert whole_bytes / 2 <= local <= whole_bytes / 2 * 1.02, (local, whole_bytes)
+        # Frozen components stay whole on every rank.
+        assert ours["audit"]["engine_weights"] == transformer_audit(one)["engine_weights"]
+
+
+def test_the_share_comparison_can_fail(two_ranks):
+    """Control: one weight of the deferred run nudged by 1e-6 is seen by the exact comparison."""
+    state = copy.deepcopy(two_ranks["deferred"][0]["final"])
+
+    def first_tensor(tree: Any) -> torch.Tensor:
+        if torch.is_tensor(tree):
+            return tree
+        return next(t for value in (tree.values() if isinstance(tree, dict) else tree) if (t := first_tensor_or_none(value)) is not None)
+
+    def first_tensor_or_none(tree: Any) -> torch.Tensor | None:
+        try:
+            return first_tensor(tree)
+        except (StopIteration, AttributeError, TypeError):
+            return None
+
+    first_tensor(state["weights"]).view(-1)[0] += 1e-6
+    assert max_difference(state, two_ranks["lora"][0]["final"]) > 0.0

@@ -24,9 +24,10 @@ from miles_core.planning import plan_run
 from miles_core.planning.accuracy import measured_peak, reduced_checkpoint
 from miles_core.planning.measure import Affine, Measurements, StepCount, block_runs, count_micro_batch, measure_run, plan_request
 from miles_core.planning.meta_pipeline import build_pipeline_from_configs
-from miles_core.planning.plan import GIB, Setting, build_plan, rank_phases, rollout_term
+from miles_core.planning.plan import GIB, Setting, build_plan, load_host_terms, rank_phases, rollout_term
 from miles_core.planning.tensor_bytes import LiveBytes, SavedForBackward, fused_attention
 from miles_core.training.run import build_trainer
+from miles_sd3.family import SD3Family
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO / "plugins" / "miles-wan22" / "tests" / "data" / "real_checkpoints" / "Wan2.2-TI2V-5B-Diffusers"
@@ -212,6 +213,7 @@ def _measurements(**overrides) -> Measurements:
         train_state={"trainable": GIB // 8, "master_copies": GIB // 4, "gradients": GIB // 4, "optimizer_state": GIB // 2},
         step={False: StepCount(30 * GIB, 30 * GIB, 31 * GIB), True: StepCount(GIB, GIB, 2 * GIB)},
         largest_block=GIB // 4,
+        largest_tensor=GIB // 16,
         sampling=Affine(GIB, GIB // 4),  # 3 GiB at the microgroup of 8
         decode={False: Affine(2 * GIB, 0)},
         n_samples_per_prompt=16,
@@ -253,8 +255,19 @@ def test_fsdp_divides_the_trained_component_and_its_state():
     assert weights["optimizer state"] == GIB // 4
     assert weights["FSDP all-gather"] == 2 * (GIB // 4)
     assert two.nbytes < one.nbytes
-    # The load phase is today's: the whole pipeline on every rank.
-    assert _phase(rank_phases(m, Setting(2, 1, False, False, True)), "load").nbytes == 8 * GIB + 4 * GIB + GIB // 4
+    # Loading: each rank receives its shard of the trained transformer from rank 0, one
+    # full tensor at a time; the frozen components load whole. One rank loads it all.
+    load = _phase(rank_phases(m, Setting(2, 1, False, False, True)), "load")
+    assert {t.name: t.nbytes for t in load.terms} == {
+        "transformer weights": 4 * GIB,
+        "text_encoder weights": 4 * GIB,
+        "vae weights": GIB // 4,
+        "tensor in flight": GIB // 16,
+    }
+    assert _phase(rank_phases(m, SETTING), "load").nbytes == 8 * GIB + 4 * GIB + GIB // 4
+    # Rank 0 holds the trained weights on the host while the ranks load.
+    assert [(t.name, t.nbytes) for t in load_host_terms(m, Setting(2, 1, False, False, True))] == [("rank 0's trained weights", 8 * GIB)]
+    assert load_host_terms(m, SETTING) == []
 
 
 def test_the_smallest_fix_is_named():
@@ -446,3 +459,21 @@ def test_ranks_on_the_host_add_up():
     # Control: on a GPU a rank's plan is its own.
     gpu = build_plan(m, Setting(2, 1, False, False, True), capacity=1000 * GIB, capacity_source="gpu", on_host=False, fix_options={})
     assert gpu.peak().nbytes == per_rank
+
+
+def test_an_sft_run_plans_its_prompt_cache_on_the_host_at_its_bound(tiny_sd3, tmp_path):
+    from miles_core import family_checks
+    from miles_core.training.trainer import SFT_PROMPT_CACHE_BYTES, SFT_PROMPT_CACHE_ENTRIES
+
+    args = family_checks.tiny_sft_args(tiny_sd3, tmp_path, ["a red cube", "a blue ball"], size=32)
+    plan = plan_run(resolve_config(args), configured_first=True)
+    # The family's real encoding of one prompt, counted on the CPU: the cache holds at most
+    # SFT_PROMPT_CACHE_ENTRIES of them (the tiny encodings stay far below the byte bound).
+    family = SD3Family.from_pretrained(tiny_sd3)
+    params = family.resolve_params(plan_request(resolve_config(args), 1))
+    cond = family.encode("a red cube", None, params)
+    per_prompt = sum(t.untyped_storage().nbytes() for t in [*cond.positive.values(), *(cond.negative or {}).values()])
+    (term,) = plan.host
+    assert (term.name, term.nbytes) == ("SFT prompt cache", min(SFT_PROMPT_CACHE_BYTES, SFT_PROMPT_CACHE_ENTRIES * per_prompt))
+    # Control: the RL run of the same checkpoint holds a rollout's samples instead.
+    assert [t.name for t in plan_run(resolve_config(_args(tiny_sd3)), configured_first=True).host] == ["rollout samples"]

@@ -279,7 +279,10 @@ async def _serve(args: argparse.Namespace, family: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(build_app(args, family, failed), args.host, args.port)
-    print(f"serving {family} {args.hf_checkpoint} on {server.url}", file=sys.stderr, flush=True)
+    # One write: print() writes the line and its end apart, and the loader thread's error
+    # can land between them (the fleet reads this line for the URL).
+    sys.stderr.write(f"serving {family} {args.hf_checkpoint} on {server.url}\n")
+    sys.stderr.flush()
     try:
         await stop.wait()
     finally:

@@ -1,7 +1,9 @@
 """Training ranks as Ray actors, and the driver-side trainer that drives them.
 
-Each :class:`TrainRank` actor loads the family, joins the torch.distributed group (gloo on
-CPU, nccl on GPU) and builds the FSDP2-sharded :class:`~miles_core.training.trainer.Trainer`
+Each :class:`TrainRank` actor joins the torch.distributed group (gloo on CPU, nccl on GPU),
+loads the family with only its share of the trained components
+(:mod:`miles_core.training.rank_loading`: rank 0 reads their weights and broadcasts each
+rank's shard) and builds the FSDP2-sharded :class:`~miles_core.training.trainer.Trainer`
 for its rank. The driver keeps a :class:`RayTrainer`: it has the interface the run loop
 uses on a one-process trainer, but no model: it loads no family and holds no trainable
 tensor.
@@ -55,9 +57,9 @@ class TrainRank:
 
         from miles_core.config.determinism import apply_deterministic_mode
         from miles_core.engine.factory import sde_backend
-        from miles_core.model_loading import load_family
         from miles_core.plugin_manager import get_host
         from miles_core.training.fsdp import init_from_config
+        from miles_core.training.rank_loading import load_rank_family
         from miles_core.training.trainer import Trainer
 
         config = self.config
@@ -65,7 +67,9 @@ class TrainRank:
         torch.manual_seed(config.seed)
         apply_deterministic_mode(config)  # the environment came with the actor's runtime_env
         loss_fn = get_host().registries.loss.get(config.loss_type).load()
-        self.trainer = Trainer(load_family(config), config, sde_backend(config), loss_fn, dp_rank=self.rank)
+        # Only this rank's share of the trained components (rank 0 reads the weights).
+        loaded = load_rank_family(config, self.rank)
+        self.trainer = Trainer(loaded.family, config, sde_backend(config), loss_fn, dp_rank=self.rank, sources=loaded.sources)
         return len(self.trainer.parameters)
 
     def keeps_ema(self) -> bool:

@@ -19,6 +19,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,10 @@ from typing import Any
 
 from miles_core.engine.auth import API_KEY_ENV
 from miles_core.errors import FleetError
+
+_BANNER_URL = re.compile(r"^serving .* on (https?://[^\s/]+)$")
+"""A server's banner, ``serving ... on URL``: the URL it listens on (a whole line only,
+never one another thread's output was written into)."""
 
 
 class ServedEngine:
@@ -54,9 +59,11 @@ class ServedEngine:
                 text = self.log_path.read_text(errors="replace")
             except FileNotFoundError:
                 return False
-            banner = next((line for line in text.splitlines() if line.startswith("serving ")), None)
-            if banner is not None:
-                self.banner, self.url = banner, banner.rsplit(" ", 1)[1]
+            for line in text.splitlines():
+                found = _BANNER_URL.match(line)
+                if line.startswith("serving ") and found is not None:
+                    self.banner, self.url = line, found[1]
+                    break
         return self.url is not None
 
     def healthy(self, timeout: float = 5.0) -> bool:

@@ -272,7 +272,8 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> No
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
-        print(f"{BANNER} http://{shown}:{bound}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{BANNER} http://{shown}:{bound}\n")  # one write: the fleet reads this line whole
+        sys.stderr.flush()
         await stop.wait()
     finally:
         await runner.cleanup()

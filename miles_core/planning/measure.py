@@ -108,6 +108,9 @@ class Measurements:
     (False: off, True: on); empty when the family gives no conditioning shapes."""
     largest_block: int = 0
     """The bytes of the trained denoisers' largest repeated block (FSDP's unit)."""
+    largest_tensor: int = 0
+    """The bytes of the trained components' largest parameter or buffer (what a sharded
+    load broadcasts at a time)."""
     sampling: Affine = field(default_factory=lambda: Affine(0, 0))
     """The bytes one sampling forward allocates at its peak (no gradient), by microgroup size."""
     decode: dict[bool, Affine] = field(default_factory=dict)
@@ -115,6 +118,8 @@ class Measurements:
     it decodes at once; by ``--vae-tiling`` (True only when the VAE can tile)."""
     decode_batch_size: int = 1
     """``--vae-decode-batch-size``: outputs one decode call takes (at most a microgroup)."""
+    sft_cache_bytes: int = 0
+    """An SFT run's host cache of prompt encodings at its bound (0: not SFT)."""
     n_samples_per_prompt: int = 1
     trajectory_bytes: int = 0
     """Host bytes of one sample as the rollout keeps it (trajectory latents in fp32,
@@ -341,6 +346,12 @@ def measure_run(
         cfg=False,
         train_state={},
         largest_block=max(largest_block_bytes(family.components()[name]) for name in trained),
+        largest_tensor=max(
+            t.numel() * t.element_size()
+            for name in trained
+            for module in [family.components()[name]]
+            for t in (*module.parameters(), *module.buffers())
+        ),
         samples_per_rollout=int(config.rollout_batch_size or 1) * int(config.n_samples_per_prompt),
         decode_batch_size=int(config.vae_decode_batch_size),
         n_samples_per_prompt=int(config.n_samples_per_prompt),
@@ -358,6 +369,13 @@ def measure_run(
         )
 
     trainer = build_trainer(config, family)
+    if trainer.loss_spec.trains_on == "supervised_rows" and cond is not None:
+        from miles_core.training.trainer import SFT_PROMPT_CACHE_BYTES, SFT_PROMPT_CACHE_ENTRIES
+
+        # SFT has no rollout; its prompt encodings are cached on the host, within a bound.
+        per_prompt = storage_bytes([*cond.positive.values(), *(cond.negative or {}).values()])
+        measured.sft_cache_bytes = min(SFT_PROMPT_CACHE_BYTES, SFT_PROMPT_CACHE_ENTRIES * per_prompt)
+        measured.notes.append("SFT: the VAE encode of a micro-batch's targets is not counted")
     if cond is not None and int(config.sequence_parallel_size) > 1:
         # First: an impossible split is a configuration error, and the family's processors
         # for it (SD3 pads the text to a multiple of the degree) are what the steps run.

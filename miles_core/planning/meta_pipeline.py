@@ -12,65 +12,14 @@ Components are built as ``from_pretrained`` would build them (diffusers models f
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import inspect
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from miles_core.errors import CheckpointError
+from miles_core.component_build import build_component, component_class
 from miles_core.family_match import read_model_index
-
-
-@contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _component_class(library: str, class_name: str, where: str) -> type:
-    # model_index.json names a library ("diffusers", "transformers") or, for a class that
-    # lives in a pipeline's own module, that module's name ("ltx2"), as diffusers reads it.
-    for module_name in (library, f"diffusers.pipelines.{library}"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        cls = getattr(module, class_name, None)
-        if cls is not None:
-            return cls
-    raise CheckpointError(f"{where}: no class {class_name} in {library} or diffusers.pipelines.{library} as installed here")
-
-
-def _build_model(cls: type, folder: Path, dtype: torch.dtype, where: str, device: str) -> torch.nn.Module:
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{where}: no config.json, so the component cannot be built without loading it")
-    if hasattr(cls, "load_config") and hasattr(cls, "from_config"):  # a diffusers model
-        with torch.device(device), _quiet("diffusers"):
-            # Quiet: .to(dtype) warns about _keep_in_fp32_modules (kept below), and a
-            # published config's keys the installed class no longer takes are noted at load.
-            model = cls.from_config(cls.load_config(folder))
-            model.to(dtype)
-        keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-        for name, module in model.named_modules():
-            if keep & set(name.split(".")):  # from_pretrained keeps these in fp32 whatever the load dtype
-                module.to(torch.float32)
-        return model
-    import transformers
-
-    with _quiet("transformers"):
-        config = transformers.AutoConfig.from_pretrained(str(folder))
-        with torch.device(device):
-            return cls._from_config(config, dtype=dtype)
 
 
 def build_pipeline_from_configs(
@@ -98,10 +47,10 @@ def build_pipeline_from_configs(
             continue
         library, class_name = entry
         where = f"--hf-checkpoint {directory}: component {name} ({library}.{class_name})"
-        cls = _component_class(library, class_name, where)
+        cls = component_class(library, class_name, where)
         folder = directory / name
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            components[name] = _build_model(cls, folder, dtype, where, device)
+            components[name] = build_component(cls, folder, dtype, where, device)
         elif hasattr(cls, "from_config") and (folder / "scheduler_config.json").is_file():
             components[name] = cls.from_config(cls.load_config(folder))
         else:

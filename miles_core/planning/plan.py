@@ -15,8 +15,9 @@ memory"):
 - **The allocator's slack** is not added: the plan is a floor, to be compared with a GPU
   that has the whole of ``--gpu-memory-gb`` free.
 
-Phases follow today's code path: every rank loads the whole pipeline onto its device
-before sharding (``load``); the embedded engine samples in the training process
+Phases follow the code path: one rank loads the whole pipeline onto its device; with
+several, each builds the trained components on the meta device and receives its shard
+from rank 0, one full tensor at a time (``load``); the embedded engine samples in the training process
 (``rollout``: sampling forward or decode, whichever is larger); ``train`` is one micro-batch
 through its optimizer step. ``--precompute-prompt-embeddings`` frees the text encoders after
 the start. A rollout's samples are held on the host.
@@ -122,6 +123,8 @@ class MemoryPlan:
     rank: list[Phase]
     engine: list[Phase] | None
     host: list[Term]
+    load_host: list[Term]
+    """Host memory held only while the ranks load (:func:`load_host_terms`)."""
     on_host: bool
     """The run computes on the host (no GPU): the host terms count against the capacity too,
     and so does every training rank's share (they all run on this host)."""
@@ -137,7 +140,14 @@ class MemoryPlan:
             # the host holds each rank's share, and the rollout's samples once.
             ranks = self.setting.world
             phases = [
-                Phase(p.name, (*(Term(f"{t.name} x {ranks} ranks", t.nbytes * ranks, t.detail) for t in p.terms), *self.host))
+                Phase(
+                    p.name,
+                    (
+                        *(Term(f"{t.name} x {ranks} ranks", t.nbytes * ranks, t.detail) for t in p.terms),
+                        *self.host,
+                        *(self.load_host if p.name == "load" else ()),
+                    ),
+                )
                 if ranks > 1
                 else Phase(p.name, (*p.terms, *self.host))
                 for p in phases
@@ -177,6 +187,7 @@ class MemoryPlan:
             "training_rank": phases(self.rank),
             "engine": phases(self.engine),
             "host": [asdict(t) for t in self.host],
+            "host_while_loading": [asdict(t) for t in self.load_host],
             "peak": {"phase": peak.name, "bytes": peak.nbytes, "largest_term": asdict(peak.largest())},
             "engine_peak": None if engine is None else {"phase": engine.name, "bytes": engine.nbytes},
             "capacity": {"bytes": self.capacity, "source": self.capacity_source},
@@ -200,7 +211,18 @@ def _shard(nbytes: int, world: int) -> int:
 def rank_phases(m: Measurements, s: Setting) -> list[Phase]:
     """A training rank's phases at setting ``s`` (the module docstring's rules)."""
     sharded = f"sharded 1/{s.world}" if s.world > 1 else "whole"
-    whole = [Term(f"{c.name} weights", c.nbytes, f"{c.dtype}, {c.parameters / 1e9:.2f}B params, whole") for c in m.components]
+    if s.world > 1:
+        # Each rank builds the trained components on the meta device and receives its shard
+        # from rank 0, one full tensor at a time (miles_core.training.rank_loading).
+        whole = [
+            Term(f"{c.name} weights", _shard(c.nbytes, s.world), f"{c.dtype}, {c.parameters / 1e9:.2f}B params, {sharded}")
+            if c.role == "trained"
+            else Term(f"{c.name} weights", c.nbytes, f"{c.dtype}, {c.parameters / 1e9:.2f}B params, whole")
+            for c in m.components
+        ]
+        whole.append(Term("tensor in flight", m.largest_tensor, "the largest trained tensor, broadcast whole from rank 0"))
+    else:
+        whole = [Term(f"{c.name} weights", c.nbytes, f"{c.dtype}, {c.parameters / 1e9:.2f}B params, whole") for c in m.components]
     resident = []
     for c in m.components:
         if c.role == "trained":
@@ -262,6 +284,10 @@ def engine_phases(m: Measurements, s: Setting) -> list[Phase]:
 
 
 def host_terms(m: Measurements) -> list[Term]:
+    """Host memory throughout the run: an SFT run's prompt cache at its bound, else a
+    rollout's samples."""
+    if m.sft_cache_bytes:
+        return [Term("SFT prompt cache", m.sft_cache_bytes, "at its bound: the trainer's prompt encodings on the host")]
     if not m.trajectory_bytes:
         return []
     return [
@@ -271,6 +297,15 @@ def host_terms(m: Measurements) -> list[Term]:
             f"{m.samples_per_rollout} samples x {gib(m.trajectory_bytes)} (fp32 trajectory latents, conditioning, pixels)",
         )
     ]
+
+
+def load_host_terms(m: Measurements, s: Setting) -> list[Term]:
+    """Host memory while the ranks load: with several, rank 0's copy of the trained weights
+    (each rank's shard is broadcast from it; freed once the trainer is built)."""
+    if s.world < 2:
+        return []
+    trained = sum(c.nbytes for c in m.components if c.role == "trained")
+    return [Term("rank 0's trained weights", trained, "while the ranks load: each rank's shard is broadcast from them")]
 
 
 def build_plan(
@@ -290,8 +325,10 @@ def build_plan(
                 peak = trial.peak()
                 plan.fix = Fix(tuple(candidate.flags(s)), peak.nbytes, peak.name)
                 break
-    if not on_host and m.trajectory_bytes:
-        plan.notes.append("rollout samples are held in host memory, not on the device")
+    if not on_host and (m.trajectory_bytes or m.sft_cache_bytes):
+        plan.notes.append(
+            f"{'the SFT prompt cache is' if m.sft_cache_bytes else 'rollout samples are'} held in host memory, not on the device"
+        )
     return plan
 
 
@@ -304,6 +341,7 @@ def _plan(m: Measurements, s: Setting, capacity: int, source: str, on_host: bool
         rank=rank_phases(m, s),
         engine=None if s.embedded_engine else engine_phases(m, s),
         host=host_terms(m),
+        load_host=load_host_terms(m, s),
         on_host=on_host,
     )
 
@@ -390,9 +428,9 @@ def render(plan: MemoryPlan) -> str:
         lines.append("each engine (device):")
         for phase in plan.engine:
             lines.append(f"  {phase.name}: {gib(phase.nbytes)}")
-    if plan.host:
+    if plan.host or plan.load_host:
         lines.append("host:")
-        for term in plan.host:
+        for term in (*plan.host, *plan.load_host):
             lines.append(f"  {term.name:<30} {gib(term.nbytes):>10}  {term.detail}")
     peak = plan.peak()
     lines.append("")
@@ -426,6 +464,7 @@ __all__ = [
     "engine_phases",
     "gib",
     "host_terms",
+    "load_host_terms",
     "rank_phases",
     "render",
     "rollout_term",

@@ -2,9 +2,12 @@
 (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``).
 
 One process per rank. Each calls :func:`init_process_group` (gloo on CPU, nccl on GPU),
-loads the model family and builds a :class:`~miles_core.training.trainer.Trainer` with
-``dp_rank`` = its rank; the trainer then shards its trainable components with
-:func:`shard_modules` (after adding LoRA adapters, before building the optimizer):
+loads the model family (with only its share of the trained components:
+:mod:`miles_core.training.rank_loading`, whose ``sources`` rank 0 passes on) and builds a
+:class:`~miles_core.training.trainer.Trainer` with ``dp_rank`` = its rank; the trainer then
+shards its trainable components with :func:`shard_modules` (after adding LoRA adapters,
+before building the optimizer), which gives components built on the meta device their
+shards from rank 0:
 
 - ``fully_shard`` on each repeated transformer block of a component (:func:`blocks_of`),
   then on the component itself; frozen components (text encoders, VAE) stay whole and
@@ -290,10 +293,14 @@ def blocks_of(module: torch.nn.Module, family: Any = None, component: str | None
     return found
 
 
-def shard_modules(modules: Mapping[str, torch.nn.Module], config: Any, family: Any, *, dp_rank: int) -> Any:
+def shard_modules(
+    modules: Mapping[str, torch.nn.Module], config: Any, family: Any, *, dp_rank: int, sources: dict[str, torch.nn.Module] | None = None
+) -> Any:
     """Cast the trainable parameters to ``--fsdp-master-dtype`` and apply ``fully_shard``
     (with :func:`mixed_precision` and :func:`offload_policy`) to each component's blocks
-    and then the component; return the mesh. Collective."""
+    and then the component; return the mesh. Collective. Components built on the meta
+    device (:mod:`miles_core.training.rank_loading`) then get their shards from rank 0's
+    ``sources``."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -322,7 +329,14 @@ def shard_modules(modules: Mapping[str, torch.nn.Module], config: Any, family: A
             "offloaded shards' collectives need; join it with init_from_config (cpu:<--fsdp-cpu-backend>,cuda:nccl)"
         )
     master = _dtype(config.fsdp_master_dtype)
-    same_starting_weights(modules)
+    from miles_core.training.rank_loading import is_deferred, materialise_shards
+
+    deferred = {name: module for name, module in modules.items() if is_deferred(module)}
+    if deferred and rank == 0 and set(deferred) - set(sources or {}):
+        raise ValueError(f"components {sorted(set(deferred) - set(sources or {}))} were built on the meta device with no weights to load")
+    # Weights loaded whole on every rank may differ (LoRA drawn per process): rank 0's win.
+    # Deferred ones are broadcast from rank 0 anyway.
+    same_starting_weights({name: module for name, module in modules.items() if name not in deferred})
     if sequence_parallel is not None:
         # Hooks and processors on the plain modules, before fully_shard wraps them.
         sequence_parallel.apply_context_parallel(modules, family, config, layout, world_mesh)
@@ -333,6 +347,10 @@ def shard_modules(modules: Mapping[str, torch.nn.Module], config: Any, family: A
         for block in blocks_of(module, family, name):
             fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    if deferred:
+        # FSDP2's CPU offload keeps the shards on the host.
+        storage = torch.device("cpu") if getattr(config, "fsdp_cpu_offload", False) else torch.device(device)
+        materialise_shards(deferred, sources if sources is not None else {}, device=torch.device(device), storage=storage)
     return mesh
 
 

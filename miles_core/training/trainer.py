@@ -59,6 +59,9 @@ SFT_PROMPT_CACHE_BYTES = 8 << 30
 """Host bytes the SFT prompt cache may hold (8 GiB: 4,096 prompts of SD3 at 2.8 MB each fit;
 LTX-2's 12.6 MB encodings keep the ~680 most recent), the least recently used going first."""
 
+SFT_PROMPT_CACHE_ENTRIES = 4096
+"""Prompts the SFT prompt cache keeps at most (within :data:`SFT_PROMPT_CACHE_BYTES`)."""
+
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
     components = family.components()
@@ -96,6 +99,7 @@ class Trainer:
         loss_fn: Any,
         *,
         dp_rank: int = 0,
+        sources: dict[str, torch.nn.Module] | None = None,
     ) -> None:
         self.family = family
         self.config = config
@@ -115,18 +119,28 @@ class Trainer:
         out of training (``train/num_pairs_frozen``)."""
         for module in family.components().values():
             module.requires_grad_(False)
+        sources = {} if sources is None else sources
         if config.use_lora:
             from peft import LoraConfig
 
-            for module in self.modules.values():
-                module.add_adapter(
-                    LoraConfig(
-                        r=config.lora_rank,
-                        lora_alpha=config.lora_alpha,
-                        target_modules=list(config.lora_target_modules),
-                        init_lora_weights=_lora_init(config.lora_init_weights),
-                    )
+            def lora() -> LoraConfig:
+                return LoraConfig(
+                    r=config.lora_rank,
+                    lora_alpha=config.lora_alpha,
+                    target_modules=list(config.lora_target_modules),
+                    init_lora_weights=_lora_init(config.lora_init_weights),
                 )
+
+            for component, module in self.modules.items():
+                if component in sources:
+                    # Rank 0 of a sharded trainer: the loaded copy draws the adapters' initial
+                    # values (what every rank starts from), the meta module only their shapes,
+                    # so the generator advances as in a whole load.
+                    sources[component].add_adapter(lora())
+                    with torch.random.fork_rng(devices=[]):
+                        module.add_adapter(lora())
+                else:
+                    module.add_adapter(lora())
                 for name, parameter in module.named_parameters():
                     parameter.requires_grad_("lora_" in name)
         else:
@@ -158,7 +172,7 @@ class Trainer:
             if fsdp.is_active():
                 from miles_core.training.sequence_parallel import layout_from_config
 
-                self.mesh = fsdp.shard_modules(self.modules, config, family, dp_rank=dp_rank)
+                self.mesh = fsdp.shard_modules(self.modules, config, family, dp_rank=dp_rank, sources=sources)
                 # Under sequence parallelism the SP ranks of one data-parallel group train the
                 # same samples: the data split uses the data-parallel coordinates.
                 layout = layout_from_config(config, dp_rank)
@@ -180,7 +194,7 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
         self.optimizer_steps = 0
-        self.prompt_cache = ConditioningCache(max_entries=4096, on_host=True, max_bytes=SFT_PROMPT_CACHE_BYTES)
+        self.prompt_cache = ConditioningCache(max_entries=SFT_PROMPT_CACHE_ENTRIES, on_host=True, max_bytes=SFT_PROMPT_CACHE_BYTES)
         """SFT prompt encodings (frozen text encoders): each prompt is encoded once, kept in
         host memory (at most :data:`SFT_PROMPT_CACHE_BYTES`) and copied to the device when
         a micro-batch uses it."""
