@@ -894,9 +894,10 @@ def test_ranks_that_load_only_their_share_train_as_a_whole_load(two_ranks, one_r
     for ours, theirs in zip(ranks, two_ranks[whole]):
         assert max_difference(ours["final"], theirs["final"]) == 0.0
         assert metric_mismatches(ours["metrics"][0], theirs["metrics"][0], rel=0, abs=0) == []
-    # ... and as one process, to the ranks' rounding.
+    # ... and as one process, to the ranks' rounding (full fine-tuning: the tolerance of
+    # test_full_fine_tuning_on_two_ranks_equals_one_process, which says why it is wider).
     extra = LORA if whole == "lora" else SCENARIOS["full"]
-    assert max_difference(ranks[0]["final"], one_rank(whole, *extra)["final"]) <= ATOL
+    assert max_difference(ranks[0]["final"], one_rank(whole, *extra)["final"]) <= (ATOL if whole == "lora" else 2e-5)
     # The memory audit: each rank holds half the transformer's parameter bytes (to the
     # shards' padding), the whole load's ranks as much once sharded, one process all of it.
     one = make_trainer(tiny_sd3, make_config(tiny_sd3, *extra))

@@ -113,9 +113,7 @@ def materialise_shards(
     rank keeps its shard, allocated on ``storage`` (the device, or the host under FSDP2's CPU
     offload). ``sources`` is emptied as it is consumed; returns the bytes broadcast."""
     import torch.distributed as dist
-    from torch.distributed.tensor import distribute_tensor
-
-    from miles_core.training.fsdp import is_sharded
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     rank = dist.get_rank()
     sent = 0
@@ -138,7 +136,7 @@ def materialise_shards(
                 full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
             dist.broadcast(full, src=0)
             sent += full.numel() * full.element_size()
-            if is_sharded(tensor):
+            if isinstance(tensor, DTensor):
                 shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
                 tensor.to_local().copy_(shard)
             else:
