@@ -913,17 +913,8 @@ def test_ranks_that_load_only_their_share_train_as_a_whole_load(two_ranks, one_r
 def test_the_share_comparison_can_fail(two_ranks):
     """Control: one weight of the deferred run nudged by 1e-6 is seen by the exact comparison."""
     state = copy.deepcopy(two_ranks["deferred"][0]["final"])
-
-    def first_tensor(tree: Any) -> torch.Tensor:
-        if torch.is_tensor(tree):
-            return tree
-        return next(t for value in (tree.values() if isinstance(tree, dict) else tree) if (t := first_tensor_or_none(value)) is not None)
-
-    def first_tensor_or_none(tree: Any) -> torch.Tensor | None:
-        try:
-            return first_tensor(tree)
-        except (StopIteration, AttributeError, TypeError):
-            return None
-
-    first_tensor(state["weights"]).view(-1)[0] += 1e-6
+    weights = state["weights"]
+    while not torch.is_tensor(weights):
+        weights = next(iter(weights.values()))
+    weights.view(-1)[0] += 1e-6
     assert max_difference(state, two_ranks["lora"][0]["final"]) > 0.0

@@ -50,6 +50,7 @@ from miles_core.training.pairs import (
     params_from_env,
     shares_forward,
 )
+from miles_core.training.rank_loading import trained_names
 from miles_core.training.train_hooks import batch_preparer, pair_source
 
 log = logging.getLogger("miles_core.training")
@@ -65,7 +66,7 @@ SFT_PROMPT_CACHE_ENTRIES = 4096
 
 def target_modules(config: Any, family: ModelFamily) -> dict[str, torch.nn.Module]:
     components = family.components()
-    names = [n.strip() for n in str(config.update_weight_target_module).split(",") if n.strip()]
+    names = trained_names(config)
     unknown = [n for n in names if n not in components]
     if unknown:
         raise ValueError(
